@@ -1,0 +1,37 @@
+# The two set-up commands of the README: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+
+# llama.cpp's default native build enables AMX where the CPU has it, and its AMX kernels crash on
+# these machines; a portable AVX2 build runs on any x86-64 box this checkout lands on.
+ifeq ($(shell uname -m),x86_64)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+else
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+endif
+# The wheel is built once per set of build flags and reused by every checkout on the machine.
+WHEELS ?= $(HOME)/.cache/kvserve/wheels/$(shell echo '$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(WHEELS)/.built: | $(BIN)/python
+	mkdir -p $(WHEELS)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel --quiet --no-deps --no-cache-dir -w $(WHEELS) $(LLAMA_CPP_PYTHON)
+	touch $@
+
+.PHONY: install install-test serve test
+install: $(WHEELS)/.built
+	$(BIN)/pip install --quiet --find-links $(WHEELS) -e .
+
+install-test: $(WHEELS)/.built
+	$(BIN)/pip install --quiet --find-links $(WHEELS) -e '.[test]'
+
+serve: install
+	$(BIN)/kvserve
+
+test: install-test
+	$(BIN)/python -m pytest -q

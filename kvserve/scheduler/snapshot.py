@@ -1,0 +1,26 @@
+"""A read-only picture of the engine, published by the engine thread after each step so that other
+threads (metrics, /v1/cache) never read structures while the engine mutates them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    running: int = 0
+    waiting: int = 0
+    kv_cells: int = 0
+    kv_used: int = 0
+    held_pages: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_pages: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    free_seq_ids: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used / self.kv_cells if self.kv_cells else 0.0

@@ -1,0 +1,69 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, never FastAPI's 422 body."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(message, type=type, param=param, code=code)
+        self.headers = headers
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _param(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "list[", "str", "int", "literal[")):
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    param = _param(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return (f"{param}: {message}" if param else message), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)

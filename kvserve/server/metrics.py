@@ -1,0 +1,96 @@
+"""Prometheus metrics. Per-request timings are observed as outputs stream; engine-wide numbers are
+read at scrape time from the snapshot the engine thread publishes after every step."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.scheduler.request import RequestOutput
+from kvserve.scheduler.snapshot import EngineSnapshot
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        yield GaugeMetricFamily("kvserve_requests_running", "Requests with sequences in the KV cache", s.running)
+        yield GaugeMetricFamily("kvserve_requests_waiting", "Requests waiting for admission", s.waiting)
+        yield GaugeMetricFamily(
+            "kvserve_kv_cache_usage_ratio", "Share of KV cells in use (shared pages count once)", s.kv_usage
+        )
+        yield GaugeMetricFamily("kvserve_prefix_cache_held_pages", "Pages the prefix cache keeps", s.held_pages)
+        yield CounterMetricFamily(
+            "kvserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", s.queried_tokens
+        )
+        yield CounterMetricFamily(
+            "kvserve_prefix_cache_hit_tokens", "Prompt tokens attached from the prefix cache", s.hit_tokens
+        )
+        yield CounterMetricFamily(
+            "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.evicted_pages
+        )
+        yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", s.steps)
+        yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", s.step_seconds)
+        yield CounterMetricFamily(
+            "kvserve_engine_decode_seconds", "Time spent inside llama_decode", s.decode_seconds
+        )
+
+
+class Metrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kvserve_generation_tokens", "Generated tokens", registry=r)
+        self.success = Counter(
+            "kvserve_request_success", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvserve_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "kvserve_inter_token_latency_seconds", "Time between streamed tokens", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "kvserve_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "kvserve_request_queue_time_seconds", "Arrival to admission", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        r.register(_EngineCollector(snapshot))
+
+
+class RequestTimer:
+    """Observes one request's latencies from its stream of outputs."""
+
+    def __init__(self, metrics: Metrics, arrival: float) -> None:
+        self._m = metrics
+        self._arrival = arrival
+        self._last: float | None = None
+
+    def observe(self, output: RequestOutput) -> None:
+        n_tokens = sum(len(d.token_ids) for d in output.deltas)
+        if n_tokens:
+            self._m.generation_tokens.inc(n_tokens)
+            if self._last is None:
+                self._m.ttft.observe(output.at - self._arrival)
+            else:
+                self._m.itl.observe(output.at - self._last)
+            self._last = output.at
+        if output.usage is not None:
+            self._m.prompt_tokens.inc(output.usage.prompt_tokens)
+            self._m.queue.observe(output.usage.queue_seconds)
+            self._m.e2e.observe(time.monotonic() - self._arrival)
+
+    def finished(self, reasons: list[str]) -> None:
+        for reason in reasons:
+            self._m.success.labels(finish_reason=reason).inc()

