@@ -8,7 +8,6 @@ keeps serving HTTP while a step runs.
 from __future__ import annotations
 
 import asyncio
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
 
@@ -16,7 +15,6 @@ from kvserve.scheduler.request import Request, RequestOutput
 from kvserve.scheduler.scheduler import Scheduler
 
 T = TypeVar("T")
-_log = logging.getLogger("kvserve.engine")
 
 
 class EngineStopped(RuntimeError):
@@ -78,12 +76,7 @@ class AsyncEngine:
             if not self.scheduler.has_work():
                 await self._wakeup.wait()
             self._wakeup.clear()
-            try:
-                outputs = await loop.run_in_executor(self._executor, self.scheduler.step)
-            except Exception:  # a bug in a step must not take every other request down with it
-                _log.exception("engine step failed")
-                await asyncio.sleep(0.01)
-                continue
+            outputs = await loop.run_in_executor(self._executor, self.scheduler.step)
             for output in outputs:
                 queue = self._streams.get(output.request_id)
                 if queue is not None:

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from kvserve.llama.sampler import Sampler, token_logprobs
 from kvserve.scheduler.request import Choice, Delta, FinishReason, Request, RequestOutput, Usage
 from kvserve.scheduler.snapshot import EngineSnapshot
 from kvserve.scheduler.stop_strings import StopMatcher
+
+_log = logging.getLogger("kvserve.scheduler")
 
 # A waiting request passed over this many times by cache-aware admission goes next regardless.
 STARVATION_LIMIT = 8
@@ -93,11 +96,15 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
-        self._take_inbox(outputs)
-        self._admit(outputs)
-        slots = self._plan(outputs)
-        if slots:
-            self._run(slots, outputs)
+        try:
+            self._take_inbox(outputs)
+            self._admit(outputs)
+            slots = self._plan(outputs)
+            if slots:
+                self._run(slots, outputs)
+        except Exception:  # a bug must not hang every client: fail what is in flight, keep serving
+            _log.exception("engine step failed; failing the requests in flight")
+            self._fail({*self.running, *self.waiting}, "internal engine error", outputs)
         self.times.steps += 1
         self.times.step_seconds += time.perf_counter() - started
         self.snapshot = self._take_snapshot()
@@ -344,7 +351,7 @@ class Scheduler:
         self._release(request, donate=reason is not FinishReason.ERROR)
         if request in self.running:
             self.running.remove(request)
-        elif request in self.waiting:
+        if request in self.waiting:
             self.waiting.remove(request)
         output = outputs.setdefault(request.id, RequestOutput(request.id, []))
         output.error = error

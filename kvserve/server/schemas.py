@@ -63,7 +63,7 @@ class _Sampling(_Body):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, list[str], None] = Field(None, validate_default=True)
     max_tokens: int | None = Field(None, ge=1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
