@@ -8,6 +8,7 @@ keeps serving HTTP while a step runs.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
 
@@ -22,13 +23,12 @@ class EngineStopped(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, scheduler: Scheduler, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._on_step = on_step
 
     @property
     def running(self) -> bool:
@@ -76,10 +76,10 @@ class AsyncEngine:
             if not self.scheduler.has_work():
                 await self._wakeup.wait()
             self._wakeup.clear()
+            started = time.perf_counter()
             outputs = await loop.run_in_executor(self._executor, self.scheduler.step)
             for output in outputs:
                 queue = self._streams.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
-            if self._on_step is not None:
-                self._on_step(outputs)
+            self.scheduler.times.loop_seconds += time.perf_counter() - started

@@ -30,6 +30,7 @@ class Request:
     n: int = 1
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # how many alternatives per token; None: no logprobs at all
+    ignore_eos: bool = False  # generate max_tokens regardless (benchmarks)
     arrival: float = field(default_factory=time.monotonic)
 
     choices: list["Choice"] = field(default_factory=list)

@@ -30,7 +30,7 @@ from kvserve.scheduler.stop_strings import StopMatcher
 
 _log = logging.getLogger("kvserve.scheduler")
 
-# A waiting request passed over this many times by cache-aware admission goes next regardless.
+# A waiting request passed over this many times by cache-aware admission goes first regardless.
 STARVATION_LIMIT = 8
 # Cache-aware admission ranks only the head of the queue, so a long queue costs nothing extra.
 ADMISSION_WINDOW = 32
@@ -48,8 +48,9 @@ class StepTimes:
     """Where engine time goes: the bench reads these to report Python overhead."""
 
     steps: int = 0
-    step_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    step_seconds: float = 0.0  # inside step()
+    decode_seconds: float = 0.0  # inside llama_decode
+    loop_seconds: float = 0.0  # the event loop's whole turn per step: hand-off, step, dispatch
 
 
 @dataclass
@@ -57,6 +58,15 @@ class _Slot:
     choice: Choice
     n_tokens: int
     logits_index: int | None  # set when this chunk ends the sequence's known tokens
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Scheduler:
@@ -125,6 +135,7 @@ class Scheduler:
             steps=self.times.steps,
             step_seconds=self.times.step_seconds,
             decode_seconds=self.times.decode_seconds,
+            loop_seconds=self.times.loop_seconds,
             free_seq_ids=self.pool.free_ids,
         )
 
@@ -140,28 +151,48 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------------------
 
     def _admit(self, outputs: dict[str, RequestOutput]) -> None:
-        while self.waiting:
-            request = self._next_waiting()
+        admitted: list[Request] = []
+        for request in self._admission_order():
             if self._running_choices() + self._active(request) > self.config.max_running:
-                return
-            if not self._fits(request, outputs):
-                return
-            if not self._start(request):
-                return
+                break
+            if self._waits_for_a_running_prefill(request):
+                continue
+            if not self._fits(request, outputs) or not self._start(request):
+                break
             self.waiting.remove(request)
             self.running.append(request)
+            admitted.append(request)
+        if admitted:
+            latest = max(r.arrival for r in admitted)
+            for request in self.waiting:
+                if request.arrival < latest:
+                    request.passed_over += 1
 
-    def _next_waiting(self) -> Request:
-        """The head of the queue, unless another nearby request has a longer cached prefix."""
-        head = self.waiting[0]
+    def _admission_order(self) -> list[Request]:
+        """Longest cached prefix first among the head of the queue; a request passed over too often
+        goes first regardless, so nothing starves."""
         cache = self.pool.cache
-        if cache is None or head.passed_over >= STARVATION_LIMIT:
-            return head
         window = list(self.waiting)[:ADMISSION_WINDOW]
-        best = max(window, key=lambda r: cache.match_len(r.prompt))  # max keeps the earliest of ties
-        for request in window[: window.index(best)]:
-            request.passed_over += 1
-        return best
+        if cache is None or not window:
+            return window
+        starved = [r for r in window if r.passed_over >= STARVATION_LIMIT]
+        rest = sorted((r for r in window if r.passed_over < STARVATION_LIMIT),
+                      key=lambda r: cache.match_len(r.prompt), reverse=True)  # stable: ties keep arrival order
+        return starved + rest
+
+    def _waits_for_a_running_prefill(self, request: Request) -> bool:
+        """A request whose prompt shares more than a page beyond what is cached with a prompt being
+        prefilled right now waits for that prefill to donate, instead of computing the same prefix."""
+        cache = self.pool.cache
+        if cache is None:
+            return False
+        cached = cache.match_len(request.prompt)
+        for other in self.running:
+            first = other.choices[0]
+            if first.session is not None and first.session.n_past < len(other.prompt):
+                if _common_prefix(request.prompt, other.prompt) >= cached + 2 * self.pool.page_rows:
+                    return True
+        return False
 
     def _running_choices(self) -> int:
         return sum(self._active(r) for r in self.running)
@@ -295,6 +326,9 @@ class Scheduler:
     # -- sampling -------------------------------------------------------------------------------------
 
     def _sample(self, request: Request, choice: Choice, index: int, outputs: dict[str, RequestOutput]) -> None:
+        if self.pool.cache is not None and choice.session.n_past == len(request.prompt) and not choice.forked:
+            # Donate the prompt as soon as it is evaluated: requests waiting on this prefix attach it now.
+            self.pool.cache.insert(choice.session, choice.session.tokens, preview=self._preview(request))
         waiting_siblings = [c for c in request.choices if c.waits_for_fork]
         for sibling in waiting_siblings:  # the prompt is done: siblings share its cells from here
             self.pool.fork(choice.session, sibling.session)
@@ -311,7 +345,7 @@ class Scheduler:
         choice.tokens.append(token)
         choice.n_generated += 1
         delta = self._delta(outputs, request, choice)
-        if self.model.is_eog(token):
+        if self.model.is_eog(token) and not request.ignore_eos:
             self._close_choice(choice, FinishReason.STOP, delta)
             return
         if request.logprobs is not None:

@@ -19,6 +19,7 @@ class EngineSnapshot:
     steps: int = 0
     step_seconds: float = 0.0
     decode_seconds: float = 0.0
+    loop_seconds: float = 0.0
     free_seq_ids: int = 0
 
     @property

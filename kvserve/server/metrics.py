@@ -43,6 +43,9 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvserve_engine_decode_seconds", "Time spent inside llama_decode", s.decode_seconds
         )
+        yield CounterMetricFamily(
+            "kvserve_engine_loop_seconds", "Event-loop turns that ran a step, hand-off included", s.loop_seconds
+        )
 
 
 class Metrics:

@@ -110,4 +110,5 @@ def build_request(
         n=body.n,
         stop=body.stop,
         logprobs=logprobs,
+        ignore_eos=body.ignore_eos,
     )

@@ -69,6 +69,7 @@ class _Sampling(_Body):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM's and llama-server's extension, for benchmarks
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

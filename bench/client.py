@@ -1,0 +1,71 @@
+"""A streaming OpenAI client that times what a user feels: time to first token and between tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Result:
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    seconds: float = 0.0
+    text: str = ""
+    error: str | None = None
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int,
+                      extra: dict | None = None) -> Result:
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    result = Result()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    result.output_tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
+                for choice in chunk.get("choices", []):
+                    text = (choice.get("delta") or {}).get("content")
+                    if not text:
+                        continue
+                    now = time.perf_counter()
+                    if not result.text:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+                    result.text += text
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+async def gather_limited(jobs: list, concurrency: int) -> list:
+    """Run coroutine factories with at most `concurrency` in flight, in order of the list."""
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(job):
+        async with semaphore:
+            return await job()
+
+    return await asyncio.gather(*(one(job) for job in jobs))

@@ -1,0 +1,93 @@
+"""Issue 2's benchmark: kvserve at concurrency 1, 4, 8 and 16 against raw batched llama_decode.
+
+Each level sends `concurrency` streamed chat requests at once (distinct prompts of equal length,
+64 tokens each, ignore_eos) and repeats it `rounds` times. Decode throughput is concurrency divided
+by the median inter-token latency, the rate at which a full batch advances; the reference is raw
+`llama_decode` of the same batch shape in a separate process of the same run.
+
+python -m bench serving
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from bench.client import stream_chat
+from bench.servers import free_port, kvserve_command, running, scrape
+from bench.stats import markdown_table, median, percentile
+
+RESULTS = Path(__file__).parent / "results"
+
+
+async def level(url: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
+    results = []
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+        for r in range(rounds):
+            messages = [[{"role": "user", "content": f"Round {r}, user {i}: write a long story about the number {i}."}]
+                        for i in range(concurrency)]
+            started = asyncio.get_running_loop().time()
+            batch = await asyncio.gather(*(stream_chat(client, url, m, max_tokens, {"ignore_eos": True}) for m in messages))
+            wall = asyncio.get_running_loop().time() - started
+            results.append((batch, wall))
+    errors = [x.error for batch, _ in results for x in batch if x.error]
+    all_results = [x for batch, _ in results for x in batch]
+    itls = [i for x in all_results for i in x.itls]
+    ttfts = [x.ttft for x in all_results]
+    tokens = sum(x.output_tokens for x in all_results)
+    wall = sum(w for _, w in results)
+    return {
+        "concurrency": concurrency,
+        "output_tok_s": tokens / wall,
+        "decode_tok_s": concurrency / median(itls),
+        "ttft_p50": percentile(ttfts, 0.5),
+        "ttft_p95": percentile(ttfts, 0.95),
+        "itl_p50": median(itls),
+        "errors": len(errors),
+    }
+
+
+def raw_reference(levels: list[int], threads: int) -> dict[int, float]:
+    out = subprocess.run([sys.executable, "-m", "bench.raw_decode", "--threads", str(threads), "--sequences",
+                          *map(str, levels)], capture_output=True, text=True, check=True)
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
+def main(levels: tuple[int, ...] = (1, 4, 8, 16), rounds: int = 2, max_tokens: int = 64, threads: int = 2) -> str:
+    port = free_port()
+    rows = []
+    with running(kvserve_command(port, "--parallel", "16", "--threads", str(threads)), port,
+                 RESULTS / "serving-kvserve.log") as url:
+        asyncio.run(level(url, 2, 1, 8))  # warm up
+        for concurrency in levels:
+            before = scrape(url)
+            stats = asyncio.run(level(url, concurrency, rounds, max_tokens))
+            after = scrape(url)
+            loop = after["kvserve_engine_loop_seconds_total"] - before["kvserve_engine_loop_seconds_total"]
+            decode = after["kvserve_engine_decode_seconds_total"] - before["kvserve_engine_decode_seconds_total"]
+            stats["python_overhead"] = 1 - decode / loop
+            rows.append(stats)
+    raw = raw_reference(list(levels), threads)
+    for row in rows:
+        row["raw_decode_tok_s"] = raw[row["concurrency"]]
+        row["vs_raw"] = row["decode_tok_s"] / row["raw_decode_tok_s"]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serving.json").write_text(json.dumps(rows, indent=2))
+    table = markdown_table(
+        ["concurrency", "output tok/s", "decode tok/s", "raw llama_decode tok/s", "decode vs raw", "TTFT p50 s",
+         "TTFT p95 s", "ITL p50 ms", "outside llama_decode", "errors"],
+        [[r["concurrency"], r["output_tok_s"], r["decode_tok_s"], r["raw_decode_tok_s"], f"{r['vs_raw']:.0%}",
+          r["ttft_p50"], r["ttft_p95"], r["itl_p50"] * 1000, f"{r['python_overhead']:.1%}", r["errors"]]
+         for r in rows],
+    )
+    (RESULTS / "serving.md").write_text(table + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    print(main())
