@@ -1,0 +1,25 @@
+"""The examples run as a user would run them, and say what they claim."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_prefix_cache_by_hand_attaches_the_system_prompt() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "prefix_cache_by_hand.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    holds = re.search(r"the cache holds (\d+) of B's (\d+) leading tokens", out)
+    attached = re.search(r"B attached (\d+) tokens, prefilled only (\d+)", out)
+    assert holds and attached, out
+    cached, prompt_b = map(int, holds.groups())
+    n_attached, n_tail = map(int, attached.groups())
+    assert n_attached == cached >= 48  # the ~60-token system prompt, in whole 16-row pages
+    assert n_tail == prompt_b - n_attached and n_tail < 24
+    assert "chain {'id': 1" in out and "released: sessions, cache, pool, model" in out
