@@ -18,8 +18,9 @@ from kvserve.llama.context import Context, ContextParams
 from kvserve.llama.model import Model
 
 if TYPE_CHECKING:
-    from kvserve.cache.prefix_cache import PrefixCache
     from kvserve.cache.page_tree import PageNode
+    from kvserve.cache.prefix_cache import PrefixCache
+    from kvserve.cache.state_cache import Checkpoint, StateCache
 
 
 class PoolExhausted(RuntimeError):
@@ -33,7 +34,7 @@ class Session:
     seq: int
     tokens: list[int] = field(default_factory=list)
     shared: int = 0
-    attached: list["PageNode"] = field(default_factory=list)  # cache pages it borrows (locked)
+    attached: list["PageNode | Checkpoint"] = field(default_factory=list)  # what it borrows from the cache (locked)
 
     @property
     def n_past(self) -> int:
@@ -52,7 +53,7 @@ class KvPool:
             raise ValueError("page_rows must be >= 1")
         self.ctx = ctx
         self.page_rows = page_rows
-        self.cache: PrefixCache | None = None
+        self.cache: PrefixCache | StateCache | None = None
         self._free_ids = list(range(ctx.n_seq_max - 1, -1, -1))  # pop() hands out 0 first
         self._sessions: dict[int, Session] = {}
 
@@ -81,7 +82,7 @@ class KvPool:
 
     @property
     def used_cells(self) -> int:
-        held = self.cache.held_pages * self.page_rows if self.cache is not None else 0
+        held = self.cache.held_cells if self.cache is not None else 0
         return held + sum(s.private_cells for s in self._sessions.values())
 
     @property
@@ -141,7 +142,7 @@ class KvPool:
 
     def close(self) -> None:
         """Free the context. A cache that still borrows pages must be released first."""
-        if self.cache is not None and self.cache.held_pages:
+        if self.cache is not None and (self.cache.held_pages or self.cache.chain_list()):
             raise RuntimeError("the prefix cache still holds pages of this pool: call release(pool) first")
         self.ctx.close()
 

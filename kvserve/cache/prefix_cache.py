@@ -42,6 +42,8 @@ class CacheStats:
 
 
 class PrefixCache:
+    donates_history = True  # a finished request's whole history is worth keeping as pages
+
     def __init__(self, pool: KvPool) -> None:
         if pool.cache is not None:
             raise ValueError("this pool already has a prefix cache")
@@ -58,6 +60,10 @@ class PrefixCache:
     @property
     def held_pages(self) -> int:
         return self.tree.n_nodes
+
+    @property
+    def held_cells(self) -> int:
+        return self.tree.n_nodes * self.page_rows
 
     # -- lookup -------------------------------------------------------------------------------------
 

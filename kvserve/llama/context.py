@@ -122,9 +122,12 @@ class Context:
             return llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         return 0
 
+    def state_size(self, seq: int) -> int:
+        return llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, self.state_flags())
+
     def save_state(self, seq: int) -> bytes:
         flags = self.state_flags()
-        size = llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, flags)
+        size = self.state_size(seq)
         buf = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data_ext(self._ptr, buf, size, seq, flags)
         return bytes(buf[:written])

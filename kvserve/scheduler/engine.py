@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.cache.kv_pool import KvPool
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.state_cache import StateCache
 from kvserve.config import Settings
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.context import MAX_SEQUENCES, Context, ContextParams
@@ -30,9 +31,16 @@ class Engine:
     @classmethod
     def load(cls, settings: Settings) -> "Engine":
         model = Model(settings.model)
-        caching = not settings.no_prefix_cache and not model.info.carries_state
-        # Holder sequences of the cache share the id space with running ones (see llama-notes).
-        n_seq_max = MAX_SEQUENCES if caching else min(MAX_SEQUENCES, settings.parallel)
+        caching = not settings.no_prefix_cache
+        # The cache's holder sequences share the id space with running ones (see llama-notes);
+        # a recurrent model allocates a state per id, so it gets only what its checkpoints need.
+        if not caching:
+            n_seq_max = settings.parallel
+        elif model.info.carries_state:
+            n_seq_max = settings.parallel + settings.prefix_states
+        else:
+            n_seq_max = MAX_SEQUENCES
+        n_seq_max = min(n_seq_max, MAX_SEQUENCES)
         params = ContextParams(
             n_ctx=settings.ctx_size,
             n_batch=max(settings.batch_size, n_seq_max),
@@ -41,7 +49,9 @@ class Engine:
         )
         ctx = Context(model, params)
         pool = KvPool(ctx, settings.page_rows)
-        if caching:
+        if caching and model.info.carries_state:
+            StateCache(pool, settings.prefix_state_mb * 1024 * 1024, settings.prefix_states)
+        elif caching:
             PrefixCache(pool)
         config = SchedulerConfig(
             max_running=settings.parallel,

@@ -31,12 +31,14 @@ class Request:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # how many alternatives per token; None: no logprobs at all
     ignore_eos: bool = False  # generate max_tokens regardless (benchmarks)
+    stops: list[tuple[int, bool]] = field(default_factory=list)  # chat marks: (position, is_opening)
     arrival: float = field(default_factory=time.monotonic)
 
     choices: list["Choice"] = field(default_factory=list)
     cached_tokens: int = 0
     admitted_at: float | None = None
     passed_over: int = 0  # times cache-aware admission chose another request first
+    checkpoints: dict[int, bool] = field(default_factory=dict)  # stops worth a state: position -> opening
 
     @property
     def finished(self) -> bool:

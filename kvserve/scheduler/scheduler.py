@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvserve.cache.kv_pool import KvPool, PoolExhausted
+from kvserve.cache.state_cache import StateCache
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import DecodeError, NoKvSlot
 from kvserve.llama.detokenizer import Detokenizer
@@ -228,10 +229,17 @@ class Scheduler:
             for sibling in active[1:]:
                 sibling.waits_for_fork = True
             active = active[:1]
-        if self.pool.cache is not None:
+        cache = self.pool.cache
+        if cache is not None:
             for choice in active:
-                attached = self.pool.cache.attach(choice.session, choice.tokens)
+                attached = cache.attach(choice.session, choice.tokens)
                 request.cached_tokens = max(request.cached_tokens, min(attached, len(request.prompt)))
+            if first_time and isinstance(cache, StateCache):
+                session = active[0].session
+                request.checkpoints = {
+                    position: opening for position, opening in request.stops
+                    if cache.checkpoint_at(session, request.prompt, session.n_past, position)
+                }
         return True
 
     def _new_choice(self, request: Request, index: int) -> Choice:
@@ -255,12 +263,19 @@ class Scheduler:
         budget = self.config.token_budget - len(decoding)
         for choice in prefilling:
             room = self.pool.free_cells - sum(s.n_tokens for s in slots)
-            n = min(choice.unevaluated, budget, room)
+            n = min(choice.unevaluated, budget, room, self._to_next_checkpoint(choice))
             if n <= 0:
                 break
             slots.append(_Slot(choice, n, None))
             budget -= n
         return slots
+
+    def _to_next_checkpoint(self, choice: Choice) -> int:
+        """A recurrent state can only be saved where the sequence stands, so prefill stops there."""
+        n_past = choice.session.n_past
+        request = self._owner(choice)
+        ahead = [p for p in request.checkpoints if p > n_past] if choice.index == 0 else []
+        return min(ahead) - n_past if ahead else choice.unevaluated
 
     def _resident_choices(self) -> tuple[list[Choice], list[Choice]]:
         decoding: list[Choice] = []
@@ -312,9 +327,16 @@ class Scheduler:
         for slot in slots:
             session = slot.choice.session
             session.tokens.extend(slot.choice.tokens[session.n_past : session.n_past + slot.n_tokens])
+            self._checkpoint_if_at_stop(slot.choice)
         for slot in slots:
             if slot.logits_index is not None:
                 self._sample(self._owner(slot.choice), slot.choice, slot.logits_index, outputs)
+
+    def _checkpoint_if_at_stop(self, choice: Choice) -> None:
+        request = self._owner(choice)
+        opening = request.checkpoints.get(choice.session.n_past) if choice.index == 0 else None
+        if opening is not None:
+            self.pool.cache.insert(choice.session, preview=self._preview(request), opening=opening)
 
     def _owner(self, choice: Choice) -> Request:
         return next(r for r in self.running if choice in r.choices)
@@ -326,9 +348,11 @@ class Scheduler:
     # -- sampling -------------------------------------------------------------------------------------
 
     def _sample(self, request: Request, choice: Choice, index: int, outputs: dict[str, RequestOutput]) -> None:
-        if self.pool.cache is not None and choice.session.n_past == len(request.prompt) and not choice.forked:
+        cache = self.pool.cache
+        if cache is not None and cache.donates_history and choice.session.n_past == len(request.prompt) \
+                and not choice.forked:
             # Donate the prompt as soon as it is evaluated: requests waiting on this prefix attach it now.
-            self.pool.cache.insert(choice.session, choice.session.tokens, preview=self._preview(request))
+            cache.insert(choice.session, choice.session.tokens, preview=self._preview(request))
         waiting_siblings = [c for c in request.choices if c.waits_for_fork]
         for sibling in waiting_siblings:  # the prompt is done: siblings share its cells from here
             self.pool.fork(choice.session, sibling.session)
@@ -403,7 +427,7 @@ class Scheduler:
         resident.sort(key=lambda c: not c.forked)
         for choice in resident:
             session = choice.session
-            if donate and self.pool.cache is not None and not choice.forked:
+            if donate and self.pool.cache is not None and self.pool.cache.donates_history and not choice.forked:
                 self.pool.cache.insert(session, session.tokens, preview=self._preview(request))
             self.pool.release_kv_pages(session)
             choice.session = None

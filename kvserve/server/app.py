@@ -18,7 +18,7 @@ from kvserve.config import Settings
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request as EngineRequest
 from kvserve.scheduler.request import RequestOutput
-from kvserve.server import prompts
+from kvserve.server import cache_routes, prompts
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.metrics import Metrics, RequestTimer
 from kvserve.server.responses import EngineFailure, LogprobFormatter, Shape, collect, stream
@@ -78,11 +78,12 @@ async def models(request: Request) -> dict:
 @api.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
-    prompt = await asyncio.to_thread(prompts.chat_prompt, engine.model, engine.template, body)
+    prompt, stops = await asyncio.to_thread(prompts.chat_prompt, engine.model, engine.template, body)
     grammar = prompts.grammar_for(body.response_format)
     params = prompts.sampling_params(engine.model, body, grammar)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     job = prompts.build_request(prompt, body, params, logprobs, engine.max_seq_len, "chatcmpl")
+    job.stops = stops
     return await _respond(request, engine, Shape(True, engine.settings.served_name, job), body.stream, body.stream_options)
 
 
@@ -143,6 +144,7 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)
+    app.include_router(cache_routes.router, dependencies=[Depends(_check_key)])
     return app
 
 

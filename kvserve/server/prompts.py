@@ -7,6 +7,7 @@ import uuid
 
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+from kvserve.cache.chat_marks import mark_messages
 from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
@@ -22,12 +23,15 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     ]
 
 
-def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> tuple[list[int], list[tuple[int, bool]]]:
+    """The prompt tokens and, for a model that carries state, the stops worth a checkpoint."""
     try:
-        text = template.render(chat_messages(body))
+        if model.info.carries_state:
+            turn = mark_messages(model, template, chat_messages(body))
+            return turn.tokens, turn.stops()
+        return text_tokens(model, template.render(chat_messages(body)), template.bos_token), []
     except ChatTemplateError as exc:
         raise invalid(str(exc), "messages") from exc
-    return text_tokens(model, text, template.bos_token)
 
 
 def text_tokens(model: Model, text: str, bos_text: str = "") -> list[int]:

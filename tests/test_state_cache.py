@@ -1,0 +1,143 @@
+"""Checkpoints for models that carry state (tiny LFM2 hybrid and Mamba, with SmolLM2's real chat
+template): restoring equals computing from scratch, conversations skip what they share, and the
+byte budget holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import engine, greedy, run
+from kvserve.cache import (
+    StateCache, add_assistant, add_user, attach, checkpoint_at, create_chat_renderer, create_kv_pool,
+    create_prefix_cache, insert, match_len, release, release_kv_pages, render_turn_marked,
+)
+from kvserve.cache.chat_marks import mark_messages
+from kvserve.llama.model import Model
+
+STATE_ARCHS = ("lfm2", "mamba")
+SYSTEM = "You are a terse assistant for a shipping company. Answer in one sentence about parcels and routes."
+
+
+def _greedy(pool, session, logits: np.ndarray, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = pool.eval(session, [out[-1]])
+    return out
+
+
+@pytest.mark.parametrize("arch", STATE_ARCHS)
+def test_restored_checkpoint_equals_scratch_by_hand(tiny, arch: str) -> None:
+    model = Model(tiny(arch))
+    pool = create_kv_pool(model, 16, n_ctx=2048, n_seq_max=8)
+    cache = create_prefix_cache(pool, max_states=4, state_budget_bytes=1 << 20)
+    assert isinstance(cache, StateCache)
+    chat_a = create_chat_renderer(model, SYSTEM)
+    add_user(chat_a, "Where is parcel 17?")
+    turn_a = render_turn_marked(model, chat_a)
+    a = pool.new_session()
+    stop = checkpoint_at(pool, a, turn_a.tokens, 0, turn_a.opening)
+    assert stop == turn_a.opening > 16
+    pool.eval(a, turn_a.tokens[:stop])
+    insert(pool, a, a.tokens, opening=True)  # between two evals: the state where A stands
+    _greedy(pool, a, pool.eval(a, turn_a.tokens[stop:]), 4)
+    release_kv_pages(pool, a)
+
+    chat_b = create_chat_renderer(model, SYSTEM)
+    add_user(chat_b, "How long does a route to Oslo take?")
+    turn_b = render_turn_marked(model, chat_b)
+    assert turn_b.opening == turn_a.opening  # the opening does not depend on the question
+    assert match_len(pool, turn_b.tokens) == turn_b.opening
+    b = pool.new_session()
+    assert attach(pool, b, turn_b.tokens) == turn_b.opening
+    assert checkpoint_at(pool, b, turn_b.tokens, b.n_past, turn_b.opening) == 0  # already cached there
+    restored = _greedy(pool, b, pool.eval(b, turn_b.tokens[b.n_past :]), 12)
+    release_kv_pages(pool, b)
+    scratch = pool.new_session()
+    assert _greedy(pool, scratch, pool.eval(scratch, turn_b.tokens), 12) == restored
+    release_kv_pages(pool, scratch)
+    assert cache.chain_list()[0]["kind"] == "opening" and cache.chain_list()[0]["hits"] == 1
+    release(pool)
+    pool.close()
+    model.close()
+
+
+def test_attention_models_take_no_checkpoints(tiny) -> None:
+    model = Model(tiny("llama"))
+    pool = create_kv_pool(model, 16, n_ctx=1024, n_seq_max=4)
+    create_prefix_cache(pool)
+    chat = create_chat_renderer(model, SYSTEM)
+    add_user(chat, "hello")
+    turn = render_turn_marked(model, chat)
+    session = pool.new_session()
+    assert all(checkpoint_at(pool, session, turn.tokens, 0, mark) == 0 for mark, _ in turn.stops())
+    release_kv_pages(pool, session)
+    release(pool)
+    pool.close()
+    model.close()
+
+
+def _chat_request(e, messages: list[dict], max_tokens: int = 8):
+    turn = mark_messages(e.model, e.template, messages)
+    request = greedy(turn.tokens, max_tokens=max_tokens)
+    request.stops = turn.stops()
+    return request, turn
+
+
+@pytest.mark.parametrize("arch", STATE_ARCHS)
+def test_conversations_prefill_only_what_they_do_not_share(tiny, arch: str) -> None:
+    path = tiny(arch)
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is parcel 17?"}]
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is the Oslo route open today?"}]
+    with engine(path, no_prefix_cache=True) as e:
+        scratch = {}
+        for name, messages in (("first", first), ("other", other)):
+            r, _ = _chat_request(e, messages)
+            scratch[name] = run(e, [r])[r.id]
+    with engine(path) as e:
+        r1, t1 = _chat_request(e, first)
+        out1 = run(e, [r1])[r1.id]
+        assert out1 == scratch["first"] and r1.cached_tokens == 0
+        # A second conversation on the same system prompt prefills only what follows its opening.
+        r2, t2 = _chat_request(e, other)
+        assert run(e, [r2])[r2.id] == scratch["other"]
+        assert r2.cached_tokens == t2.opening == t1.opening > 0
+        # The next turn of the first conversation prefills only what follows its last message's close.
+        reply = e.model.detokenize(out1)
+        turn2 = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And parcel 18?"}]
+        r3, t3 = _chat_request(e, turn2)
+        out3 = run(e, [r3])[r3.id]
+        assert r3.cached_tokens == t1.close
+        assert t3.tokens[: t1.close] == t1.tokens[: t1.close]
+    with engine(path, no_prefix_cache=True) as e:
+        r, _ = _chat_request(e, turn2)
+        assert run(e, [r])[r.id] == out3
+
+
+@pytest.mark.parametrize("arch", STATE_ARCHS)
+def test_flood_keeps_the_budget_and_evicts_conversations_first(tiny, arch: str) -> None:
+    path = tiny(arch)
+    with engine(path, prefix_states=16) as e:
+        cache = e.pool.cache
+        probe = e.pool.new_session()
+        e.pool.eval(probe, e.model.tokenize("a state to measure", add_special=True))
+        state_size = e.pool.ctx.state_size(probe.seq)
+        e.pool.release_kv_pages(probe)
+        cache.budget_bytes = 3 * state_size  # room for three states: openings must survive conversations
+        systems = [SYSTEM, "You are a poet who answers in rhymes about the sea, the wind and ships."]
+        peak = 0
+        for i in range(12):
+            messages = [{"role": "system", "content": systems[i % 2]},
+                        {"role": "user", "content": f"Question number {i}: what happened on day {i * 7}?"}]
+            request, _ = _chat_request(e, messages, max_tokens=2)
+            e.scheduler.submit(request)
+            while not request.finished or e.scheduler.running:
+                e.scheduler.step()
+                peak = max(peak, cache.bytes_used)
+                assert cache.bytes_used <= cache.budget_bytes
+        kinds = [c["kind"] for c in cache.chain_list()]
+        assert kinds.count("opening") == 2, kinds  # both system openings kept
+        assert cache.stats.state_evictions > 0 and peak == 3 * state_size
