@@ -124,6 +124,8 @@ class Scheduler:
     def _take_snapshot(self) -> EngineSnapshot:
         cache = self.pool.cache
         stats = cache.stats if cache is not None else None
+        states = cache if isinstance(cache, StateCache) else None
+        openings = sum(c.opening for c in states.checkpoints) if states else 0
         return EngineSnapshot(
             running=len(self.running),
             waiting=self.n_waiting,
@@ -138,6 +140,11 @@ class Scheduler:
             decode_seconds=self.times.decode_seconds,
             loop_seconds=self.times.loop_seconds,
             free_seq_ids=self.pool.free_ids,
+            state_bytes=states.bytes_used if states else 0,
+            opening_checkpoints=openings,
+            conversation_checkpoints=len(states.checkpoints) - openings if states else 0,
+            state_hits=states.stats.state_hits if states else 0,
+            state_evictions=states.stats.state_evictions if states else 0,
         )
 
     def _take_inbox(self, outputs: dict[str, RequestOutput]) -> None:

@@ -21,6 +21,11 @@ class EngineSnapshot:
     decode_seconds: float = 0.0
     loop_seconds: float = 0.0
     free_seq_ids: int = 0
+    state_bytes: int = 0
+    opening_checkpoints: int = 0
+    conversation_checkpoints: int = 0
+    state_hits: int = 0
+    state_evictions: int = 0
 
     @property
     def kv_usage(self) -> float:

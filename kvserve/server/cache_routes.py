@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from kvserve.cache.state_cache import StateCache
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
 from kvserve.server.errors import invalid
@@ -48,12 +49,15 @@ async def cache_view(request: Request) -> dict:
 
     def snapshot() -> dict:
         cache = pool.cache
-        return {
+        view = {
             "enabled": cache is not None,
             "page_rows": pool.page_rows,
             "held_pages": cache.held_pages if cache is not None else 0,
             "pool": {"cells": pool.n_cells, "used_cells": pool.used_cells, "free_seq_ids": pool.free_ids},
-            "chains": cache.chain_list() if cache is not None else [],
         }
+        if isinstance(cache, StateCache):
+            return {**view, "state_bytes": cache.bytes_used, "state_budget_bytes": cache.budget_bytes,
+                    "checkpoints": cache.chain_list()}
+        return {**view, "chains": cache.chain_list() if cache is not None else []}
 
     return await engine.async_engine.call(snapshot)

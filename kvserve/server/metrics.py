@@ -38,6 +38,17 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.evicted_pages
         )
+        yield GaugeMetricFamily("kvserve_prefix_state_bytes", "Bytes of recurrent checkpoint states", s.state_bytes)
+        checkpoints = GaugeMetricFamily(
+            "kvserve_prefix_state_checkpoints", "Recurrent checkpoints kept, by kind", labels=["kind"]
+        )
+        checkpoints.add_metric(["opening"], s.opening_checkpoints)
+        checkpoints.add_metric(["conversation"], s.conversation_checkpoints)
+        yield checkpoints
+        yield CounterMetricFamily("kvserve_prefix_state_hits", "Prompts restored from a checkpoint", s.state_hits)
+        yield CounterMetricFamily(
+            "kvserve_prefix_state_evictions", "Checkpoints evicted to keep the budget", s.state_evictions
+        )
         yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", s.steps)
         yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", s.step_seconds)
         yield CounterMetricFamily(
