@@ -1,0 +1,85 @@
+"""The prefix cache as a server user sees it: cached_tokens in usage, /v1/prefix/match, /v1/cache,
+and the prefix-cache metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from conftest import serve
+
+SYSTEM = "You are the archivist of a large library. Answer with the shelf number and nothing else. " * 3
+
+
+def _chat(question: str) -> dict:
+    return {"model": "any", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or
+               line.startswith(name + "{"))
+
+
+@pytest.fixture(scope="module")
+def url(smollm2):
+    with serve(smollm2) as base:
+        yield base
+
+
+def test_match_reports_then_attach_uses_the_cached_prefix(url: str) -> None:
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    first = httpx.post(f"{url}/v1/prefix/match", json=_chat("Where is Dune?")).json()
+    assert first["cached_tokens"] == 0 and first["prompt_tokens"] > 48
+
+    done = client.chat.completions.create(**_chat("Where is Dune?"))
+    assert done.usage.prompt_tokens_details.cached_tokens == 0
+
+    probe = httpx.post(f"{url}/v1/prefix/match", json=_chat("Where is Emma?")).json()
+    again = httpx.post(f"{url}/v1/prefix/match", json=_chat("Where is Emma?")).json()
+    assert probe == again  # match changes nothing
+    assert probe["cached_tokens"] >= 48 and probe["cached_tokens"] % 16 == 0
+
+    stream = client.chat.completions.create(**_chat("Where is Emma?"), stream=True,
+                                            stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage][-1]
+    assert usage.prompt_tokens_details.cached_tokens == probe["cached_tokens"]
+
+    completion = httpx.post(f"{url}/v1/prefix/match", json={"prompt": "plain text prompt"}).json()
+    assert completion == {"prompt_tokens": completion["prompt_tokens"], "cached_tokens": 0}
+
+
+def test_cache_view_and_metrics(url: str) -> None:
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    client.chat.completions.create(**_chat("Where is Ulysses?"))
+    view = httpx.get(f"{url}/v1/cache").json()
+    assert view["enabled"] and view["held_pages"] > 0 and view["page_rows"] == 16
+    assert view["chains"] and all({"id", "tokens", "pages_alive", "hits", "preview"} <= set(c) for c in view["chains"])
+    assert view["pool"]["used_cells"] == view["held_pages"] * 16  # idle: only the cache holds cells
+    metrics = httpx.get(f"{url}/metrics").text
+    assert _metric(metrics, "kvserve_prefix_cache_hit_tokens_total") > 0
+    assert _metric(metrics, "kvserve_prefix_cache_queried_tokens_total") >= _metric(
+        metrics, "kvserve_prefix_cache_hit_tokens_total")
+    assert _metric(metrics, "kvserve_prefix_cache_held_pages") == view["held_pages"]
+    assert 0 < _metric(metrics, "kvserve_kv_cache_usage_ratio") <= 1
+
+
+def test_bad_match_body_is_a_400(url: str) -> None:
+    response = httpx.post(f"{url}/v1/prefix/match", json={"messages": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_hybrid_model_serves_checkpoints(tiny) -> None:
+    with serve(tiny("lfm2")) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        client.chat.completions.create(**_chat("Where is Dune?"))
+        second = client.chat.completions.create(**_chat("Where is Emma?"))
+        assert second.usage.prompt_tokens_details.cached_tokens > 48
+        view = httpx.get(f"{base}/v1/cache").json()
+        kinds = {c["kind"] for c in view["checkpoints"]}
+        assert "opening" in kinds and 0 < view["state_bytes"] <= view["state_budget_bytes"]
+        metrics = httpx.get(f"{base}/metrics").text
+        assert _metric(metrics, "kvserve_prefix_state_hits_total") >= 1
+        assert _metric(metrics, "kvserve_prefix_state_bytes") == view["state_bytes"]
+        assert 'kvserve_prefix_state_checkpoints{kind="opening"}' in metrics
