@@ -1,12 +1,12 @@
-"""python -m bench [serving|prefix] — each writes JSON and a Markdown table to bench/results/."""
+"""python -m bench [serving|prefix|multiturn] — each writes JSON and a Markdown table to bench/results/."""
 
 from __future__ import annotations
 
 import sys
 
-from bench import prefix, serving
+from bench import multiturn, prefix, serving
 
-SUITES = {"serving": serving.main, "prefix": prefix.main}
+SUITES = {"serving": serving.main, "prefix": prefix.main, "multiturn": multiturn.main}
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
-    no_prefix_cache: bool = Field(False, description="turn the prefix cache off")
+    prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
 
     @field_validator("model")

@@ -29,7 +29,7 @@ PROMPTS = [
 
 
 def alone_and_together(model: Path, max_tokens: int, **overrides) -> tuple[list[list[int]], list[list[int]]]:
-    with engine(model, no_prefix_cache=True, **overrides) as e:
+    with engine(model, prefix_cache=False, **overrides) as e:
         prompts = [e.model.tokenize(p, add_special=True) for p in PROMPTS]
         alone = []
         for i, prompt in enumerate(prompts):

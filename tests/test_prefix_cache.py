@@ -183,7 +183,7 @@ def _chat(model_path: Path, question: str, e) -> list[int]:
 def test_scheduler_attaches_and_matches_scratch(tiny, smollm2, which: str) -> None:
     path = smollm2 if which == "smollm2" else tiny("llama")
     questions = [f" Question {i}: tell me about topic number {i}." for i in range(4)]
-    with engine(path, no_prefix_cache=True) as e:
+    with engine(path, prefix_cache=False) as e:
         prompts = [_chat(path, q, e) for q in questions]
         scratch = []
         for p in prompts:

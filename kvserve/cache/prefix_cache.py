@@ -43,6 +43,7 @@ class CacheStats:
 
 class PrefixCache:
     donates_history = True  # a finished request's whole history is worth keeping as pages
+    donates_prompt = True  # as soon as it is evaluated, so requests waiting on it attach it
 
     def __init__(self, pool: KvPool) -> None:
         if pool.cache is not None:

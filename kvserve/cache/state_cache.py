@@ -51,7 +51,8 @@ class StateStats(CacheStats):
 
 
 class StateCache:
-    donates_history = False  # only stop points are worth a state: a finished history is not kept
+    donates_history = True  # a finished turn's state is where the conversation's next turn resumes
+    donates_prompt = False  # the prompt's end is the `close` mark plus a generation prompt: not worth a state
 
     def __init__(self, pool: KvPool, budget_bytes: int, max_states: int = 16, min_gap: int | None = None) -> None:
         if pool.cache is not None:

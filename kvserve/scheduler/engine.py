@@ -31,7 +31,7 @@ class Engine:
     @classmethod
     def load(cls, settings: Settings) -> "Engine":
         model = Model(settings.model)
-        caching = not settings.no_prefix_cache
+        caching = settings.prefix_cache
         # The cache's holder sequences share the id space with running ones (see llama-notes);
         # a recurrent model allocates a state per id, so it gets only what its checkpoints need.
         if not caching:

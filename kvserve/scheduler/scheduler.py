@@ -356,7 +356,7 @@ class Scheduler:
 
     def _sample(self, request: Request, choice: Choice, index: int, outputs: dict[str, RequestOutput]) -> None:
         cache = self.pool.cache
-        if cache is not None and cache.donates_history and choice.session.n_past == len(request.prompt) \
+        if cache is not None and cache.donates_prompt and choice.session.n_past == len(request.prompt) \
                 and not choice.forked:
             # Donate the prompt as soon as it is evaluated: requests waiting on this prefix attach it now.
             cache.insert(choice.session, choice.session.tokens, preview=self._preview(request))

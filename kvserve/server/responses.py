@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from dataclasses import dataclass, field
@@ -61,18 +62,36 @@ class LogprobFormatter:
         text = self._model.token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(self._model.piece(token, special=True))}
 
-    def text(self, items: list[TokenLogprobs], offset: int) -> dict:
-        tokens = [self._model.token_text(i.token) for i in items]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
+    def offsets(self) -> TextOffsets:
+        return TextOffsets(self._model)
+
+    def text(self, items: list[TokenLogprobs], offsets: TextOffsets) -> dict:
         return {
-            "tokens": tokens,
+            "tokens": [self._model.token_text(i.token) for i in items],
             "token_logprobs": [i.logprob for i in items],
             "top_logprobs": [{self._model.token_text(t): lp for t, lp in i.top} for i in items],
-            "text_offset": offsets,
+            "text_offset": [offsets.start(i.token) for i in items],
         }
+
+
+class TextOffsets:
+    """Where each token of one choice starts in its text, in characters.
+
+    Counted from the decoded bytes, not from token texts: a token holding part of a UTF-8 character
+    prints as U+FFFD on its own, and counting that would run the offsets past the text. A token that
+    continues a character starts where the character does. Whole and streamed responses feed the
+    same tokens in the same order, so they report the same offsets.
+    """
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def start(self, token: int) -> int:
+        start = self._chars
+        self._chars += len(self._decoder.decode(self._model.piece(token)))
+        return start
 
 
 @dataclass
@@ -109,7 +128,7 @@ async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs:
             entry = {
                 "index": index,
                 "text": c.text,
-                "logprobs": logprobs.text(c.logprobs, 0) if want_logprobs else None,
+                "logprobs": logprobs.text(c.logprobs, logprobs.offsets()) if want_logprobs else None,
                 "finish_reason": c.finish_reason,
             }
         body_choices.append(entry)
@@ -126,7 +145,7 @@ async def stream(
         for index in range(shape.request.n):
             delta = {"role": "assistant", "content": ""}
             yield sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra})
-    offsets = [0] * shape.request.n
+    offsets = [logprobs.offsets() for _ in range(shape.request.n)]
     async for output in outputs:
         if output.error is not None:
             yield sse(error_body(output.error, type="server_error"))
@@ -140,7 +159,7 @@ async def stream(
     yield sse("[DONE]")
 
 
-def _chunk_choice(shape: Shape, delta: Delta, logprobs: LogprobFormatter, offsets: list[int]) -> dict:
+def _chunk_choice(shape: Shape, delta: Delta, logprobs: LogprobFormatter, offsets: list[TextOffsets]) -> dict:
     reason = delta.finish_reason.value if delta.finish_reason else None
     want = shape.request.logprobs is not None
     if shape.chat:
@@ -148,5 +167,4 @@ def _chunk_choice(shape: Shape, delta: Delta, logprobs: LogprobFormatter, offset
         return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": lp,
                 "finish_reason": reason}
     lp = logprobs.text(delta.logprobs, offsets[delta.index]) if want else None
-    offsets[delta.index] += len(delta.text)
     return {"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": reason}

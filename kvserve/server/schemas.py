@@ -122,6 +122,15 @@ class CompletionRequest(_Sampling):
             raise ValueError("prompt must not be empty")
         return value
 
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        # Echoing the prompt (and its logprobs) is not implemented; ignoring the flag would answer
+        # with a text the client does not expect.
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
