@@ -16,10 +16,6 @@ class EngineSnapshot:
     queried_tokens: int = 0
     hit_tokens: int = 0
     evicted_pages: int = 0
-    steps: int = 0
-    step_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    loop_seconds: float = 0.0
     free_seq_ids: int = 0
     state_bytes: int = 0
     opening_checkpoints: int = 0

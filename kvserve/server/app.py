@@ -140,7 +140,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.started = int(time.time())
-    app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot)
+    app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times)
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)

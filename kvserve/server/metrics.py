@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.scheduler.request import RequestOutput
+from kvserve.scheduler.scheduler import StepTimes
 from kvserve.scheduler.snapshot import EngineSnapshot
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -18,11 +19,13 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes]) -> None:
         self._snapshot = snapshot
+        self._times = times
 
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
+        t = self._times()
         yield GaugeMetricFamily("kvserve_requests_running", "Requests with sequences in the KV cache", s.running)
         yield GaugeMetricFamily("kvserve_requests_waiting", "Requests waiting for admission", s.waiting)
         yield GaugeMetricFamily(
@@ -49,18 +52,16 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvserve_prefix_state_evictions", "Checkpoints evicted to keep the budget", s.state_evictions
         )
-        yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", s.steps)
-        yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", s.step_seconds)
+        yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", t.steps)
+        yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", t.step_seconds)
+        yield CounterMetricFamily("kvserve_engine_decode_seconds", "Time spent inside llama_decode", t.decode_seconds)
         yield CounterMetricFamily(
-            "kvserve_engine_decode_seconds", "Time spent inside llama_decode", s.decode_seconds
-        )
-        yield CounterMetricFamily(
-            "kvserve_engine_loop_seconds", "Event-loop turns that ran a step, hand-off included", s.loop_seconds
+            "kvserve_engine_loop_seconds", "Event-loop turns that ran a step, hand-off included", t.loop_seconds
         )
 
 
 class Metrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -80,7 +81,7 @@ class Metrics:
         self.queue = Histogram(
             "kvserve_request_queue_time_seconds", "Arrival to admission", buckets=_LATENCY_BUCKETS, registry=r
         )
-        r.register(_EngineCollector(snapshot))
+        r.register(_EngineCollector(snapshot, times))
 
 
 class RequestTimer:
