@@ -48,8 +48,10 @@ def shared_messages(system: str):
                          {"role": "user", "content": f"User {u}, question {r}: which clause covers case {u * 3 + r}?"}]
 
 
-def unique_messages(u: int, r: int) -> list[dict]:
-    return [{"role": "user", "content": f"Story {u}-{r}: " + f"a tale of the number {u * 31 + r} and its friends. " * 40}]
+def unique_messages(salt: str):
+    """Prompts that share nothing with each other, nor with another call's (a different salt)."""
+    return lambda u, r: [{"role": "user", "content": f"{salt} story {u}-{r}: "
+                          + f"a tale of the number {u * 31 + r} and its {salt} friends. " * 40}]
 
 
 def summarize(name: str, cache: bool, per_user: list[list[Result]], system_tokens: int) -> dict:
@@ -85,8 +87,8 @@ def main() -> str:
         flags = [] if cache else ["--no-prefix-cache"]
         with running(kvserve_command(port, "--parallel", "16", *flags), port,
                      RESULTS / f"prefix-{'cache' if cache else 'nocache'}.log") as url:
-            asyncio.run(users(url, unique_messages))  # warm-up that shares nothing with what follows
-            rows.append(summarize("unique", cache, asyncio.run(users(url, unique_messages)), 0))
+            asyncio.run(users(url, unique_messages("warm-up")))  # shares nothing with what follows
+            rows.append(summarize("unique", cache, asyncio.run(users(url, unique_messages("measured"))), 0))
             n_system = system_token_count(url, system)
             rows.append(summarize("shared", cache, asyncio.run(users(url, shared_messages(system))), n_system))
     by = {(r["workload"], r["cache"]): r for r in rows}

@@ -2,15 +2,22 @@
 
 Stream A prefills a ~60-token system prompt plus its question and donates its pages; the cache says
 how much of stream B it already holds; B attaches those pages (shared KV cells, no copy) and
-prefills only its tail. Run: python examples/prefix_cache_by_hand.py
+prefills only its tail. Then the same on a model that carries state (the tests' tiny LFM2
+hybrid): a checkpoint at the system opening, restored by a second conversation.
+Run: python examples/prefix_cache_by_hand.py
 """
 
 from __future__ import annotations
 
+import sys
+import tempfile
+from pathlib import Path
+
 import numpy as np
 
 from kvserve.cache import (
-    attach, create_kv_pool, create_prefix_cache, insert, match_len, release, release_kv_pages,
+    add_user, attach, checkpoint_at, create_chat_renderer, create_kv_pool, create_prefix_cache, insert,
+    match_len, release, release_kv_pages, render_turn_marked,
 )
 from kvserve.config import embedded_model_path
 from kvserve.llama.chat_template import ChatTemplate
@@ -39,7 +46,7 @@ def greedy_reply(pool, session, logits: np.ndarray, model: Model, n: int = 24) -
     return model.detokenize(out)
 
 
-def main() -> None:
+def pages() -> None:
     model = Model(embedded_model_path())
     template = ChatTemplate.from_model(model)
     pool = create_kv_pool(model, page_rows=16, n_ctx=2048, n_seq_max=16)
@@ -76,5 +83,47 @@ def main() -> None:
     print("released: sessions, cache, pool, model")
 
 
+def checkpoints(model_path: Path) -> None:
+    model = Model(model_path)
+    pool = create_kv_pool(model, page_rows=16, n_ctx=2048, n_seq_max=8)
+    cache = create_prefix_cache(pool, max_states=4, state_budget_bytes=1 << 20)
+
+    chat_a = create_chat_renderer(model, SYSTEM)
+    add_user(chat_a, "Where is Lyon?")
+    turn_a = render_turn_marked(model, chat_a)
+    print(f"hybrid: A has {len(turn_a.tokens)} tokens; marks head={turn_a.head} opening={turn_a.opening} "
+          f"close={turn_a.close}")
+    a = pool.new_session()
+    stop = checkpoint_at(pool, a, turn_a.tokens, 0, turn_a.opening)
+    pool.eval(a, turn_a.tokens[:stop])  # a recurrent state cannot be cut back: stop the prefill here
+    checkpoint = insert(pool, a, a.tokens, opening=True)
+    print(f"A stopped its prefill at {stop} and saved a {len(checkpoint.blob)}-byte state there")
+    pool.eval(a, turn_a.tokens[stop:])
+
+    chat_b = create_chat_renderer(model, SYSTEM)
+    add_user(chat_b, "Where is Kyoto?")
+    turn_b = render_turn_marked(model, chat_b)
+    b = pool.new_session()
+    restored = attach(pool, b, turn_b.tokens)
+    pool.eval(b, turn_b.tokens[restored:])
+    print(f"B restored the checkpoint at {restored} and prefilled only {len(turn_b.tokens) - restored} tokens")
+    print("checkpoints", cache.chain_list())
+
+    release_kv_pages(pool, a)
+    release_kv_pages(pool, b)
+    release(pool)
+    pool.close()
+    model.close()
+
+
+def tiny_hybrid(directory: Path) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_models import tiny_model  # the tests' random-weight GGUF writer
+
+    return tiny_model("lfm2", directory)
+
+
 if __name__ == "__main__":
-    main()
+    pages()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoints(tiny_hybrid(Path(tmp)))

@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
+    prefix_cache_cells: int = Field(4096, ge=0, description="most KV cells the page cache keeps (cold pages cost attention)")
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")

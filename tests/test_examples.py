@@ -23,3 +23,8 @@ def test_prefix_cache_by_hand_attaches_the_system_prompt() -> None:
     assert n_attached == cached >= 48  # the ~60-token system prompt, in whole 16-row pages
     assert n_tail == prompt_b - n_attached and n_tail < 24
     assert "chain {'id': 1" in out and "released: sessions, cache, pool, model" in out
+    opening = int(re.search(r"opening=(\d+)", out).group(1))
+    stopped = re.search(r"A stopped its prefill at (\d+) and saved a (\d+)-byte state", out)
+    restored = re.search(r"B restored the checkpoint at (\d+)", out)
+    assert stopped and restored, out
+    assert int(stopped.group(1)) == int(restored.group(1)) == opening > 0 and int(stopped.group(2)) > 0

@@ -211,3 +211,25 @@ def test_flood_of_distinct_prompts_under_small_context_never_fails(tiny) -> None
         assert cache.stats.evicted_pages > 0
         assert e.pool.used_cells == cache.held_pages * PAGE <= e.pool.n_cells
         assert _cells_held_by_llama(e.pool, _holder_seqs(e.pool)) == cache.held_pages * PAGE
+
+
+def test_held_cells_stay_under_the_cap_lru_first(tiny) -> None:
+    from kvserve.cache.prefix_cache import PrefixCache
+
+    model = Model(tiny("llama"))
+    pool = create_kv_pool(model, PAGE, n_ctx=1024, n_seq_max=16)
+    cache = PrefixCache(pool, max_cells=4 * PAGE)
+    prompts = [model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 12, add_special=True)
+               for i in range(4)]
+    for prompt in prompts:
+        s = pool.new_session()
+        pool.eval(s, prompt)
+        insert(pool, s, s.tokens)
+        release_kv_pages(pool, s)
+        assert cache.held_cells <= 4 * PAGE
+        assert _cells_held_by_llama(pool, _holder_seqs(pool)) == cache.held_cells
+    assert match_len(pool, prompts[-1]) > 0  # the newest donation survives
+    assert match_len(pool, prompts[0]) == 0  # the oldest went first
+    release(pool)
+    pool.close()
+    model.close()

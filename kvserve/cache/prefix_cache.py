@@ -42,10 +42,14 @@ class CacheStats:
 
 
 class PrefixCache:
+    """Pages of donated prefixes. Held cells are not free: without flash attention every decode in a
+    unified cache attends over all used cells, masked or not, so `max_cells` bounds what a cold cache
+    costs the running sequences; past it, least recently used pages go first."""
+
     donates_history = True  # a finished request's whole history is worth keeping as pages
     donates_prompt = True  # as soon as it is evaluated, so requests waiting on it attach it
 
-    def __init__(self, pool: KvPool) -> None:
+    def __init__(self, pool: KvPool, max_cells: int | None = None) -> None:
         if pool.cache is not None:
             raise ValueError("this pool already has a prefix cache")
         if pool.ctx.model.info.carries_state:
@@ -55,6 +59,7 @@ class PrefixCache:
         self.tree = PageTree(pool.page_rows)
         self.chains: dict[int, Chain] = {}
         self.stats = CacheStats()
+        self.max_cells = pool.n_cells if max_cells is None else max_cells
         self._next_chain = 1
         pool.cache = self
 
@@ -115,7 +120,10 @@ class PrefixCache:
             path += self._add_pages(session, tokens, path, n_pages, chain)
             chain.path = path
         self._share_duplicates(session, path, n_cached)
-        return chain
+        excess = self.held_cells - self.max_cells
+        if excess > 0:
+            self.evict_pages(-(-excess // self.page_rows))
+        return chain if chain is None or chain.id in self.chains else None
 
     def _new_chain(self, preview: str) -> Chain:
         chain = Chain(id=self._next_chain, path=[], preview=preview[:80])

@@ -52,7 +52,7 @@ class Engine:
         if caching and model.info.carries_state:
             StateCache(pool, settings.prefix_state_mb * 1024 * 1024, settings.prefix_states)
         elif caching:
-            PrefixCache(pool)
+            PrefixCache(pool, settings.prefix_cache_cells)
         config = SchedulerConfig(
             max_running=settings.parallel,
             token_budget=settings.batch_size,
