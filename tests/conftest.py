@@ -18,9 +18,7 @@ from kvserve.config import Settings, embedded_model_path
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request
 from kvserve.llama.sampler import SamplingParams
-from tiny_models import tiny_model
-
-ARCHS = ("llama", "lfm2", "mamba")
+from tiny_models import ARCHS, tiny_model  # noqa: F401  (ARCHS: the tests parametrize over it)
 
 
 @pytest.fixture(scope="session")

@@ -147,7 +147,6 @@ def test_page_accounting_through_llama_positions(tiny) -> None:
         held = cache.held_pages
         assert _cells_held_by_llama(pool, _holder_seqs(pool)) == held * PAGE
         assert pool.used_cells == held * PAGE
-    assert cache.held_pages < sum(len(c["preview"]) >= 0 for c in cache.chain_list()) * 100  # sanity: finite
     # shared trunk pages are held once: fewer pages than the chains' lengths add up to
     assert cache.held_pages < sum(c["tokens"] for c in cache.chain_list()) // PAGE
     release(pool)

@@ -8,7 +8,8 @@ because the model needs at least one evaluated token to produce the next logits.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 from kvserve.cache.kv_pool import KvPool, PoolExhausted, Session
 from kvserve.cache.page_tree import Holder, PageNode, PageTree, tick
@@ -174,25 +175,23 @@ class PrefixCache:
 
     def evict_pages(self, n_pages: int) -> int:
         """Give back up to `n_pages` unlocked pages, least recently used leaves first."""
+        return self._evict_lru(lambda evicted: evicted >= n_pages)
+
+    def free_a_holder(self) -> None:
+        """Evict pages, LRU tail first, until one holder's sequence id is free again."""
+        ids_before = self.pool.free_ids
+        self._evict_lru(lambda _: self.pool.free_ids > ids_before)
+
+    def _evict_lru(self, done: Callable[[int], bool]) -> int:
         heap = self.tree.evictable_leaves()
         evicted = 0
-        while heap and evicted < n_pages:
+        while heap and not done(evicted):
             _, _, node = heapq.heappop(heap)
             parent = self._evict(node)
             evicted += 1
             if parent is not None and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return evicted
-
-    def free_a_holder(self) -> None:
-        """Evict pages, LRU tail first, until one holder's sequence id is free again."""
-        heap = self.tree.evictable_leaves()
-        ids_before = self.pool.free_ids
-        while heap and self.pool.free_ids == ids_before:
-            _, _, node = heapq.heappop(heap)
-            parent = self._evict(node)
-            if parent is not None and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
 
     def _evict(self, node: PageNode) -> PageNode | None:
         holder = node.holder
