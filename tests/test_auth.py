@@ -1,0 +1,26 @@
+"""--api-key: every route but /health and /metrics needs `Authorization: Bearer <key>`."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from conftest import serve
+
+
+def test_bad_or_missing_key_is_an_openai_401_and_health_stays_open(tiny) -> None:
+    with serve(tiny("llama"), api_key="s3cret") as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            response = httpx.get(f"{url}/v1/models", headers=headers)
+            assert response.status_code == 401
+            error = response.json()["error"]
+            assert error["type"] == "authentication_error" and set(error) == {"message", "type", "param", "code"}
+            assert "s3cret" not in response.text
+        assert httpx.post(f"{url}/v1/prefix/match", json={"prompt": "x"}).status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret")
+        assert good.completions.create(model="m", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
