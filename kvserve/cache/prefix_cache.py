@@ -47,7 +47,6 @@ class PrefixCache:
     unified cache attends over all used cells, masked or not, so `max_cells` bounds what a cold cache
     costs the running sequences; past it, least recently used pages go first."""
 
-    donates_history = True  # a finished request's whole history is worth keeping as pages
     donates_prompt = True  # as soon as it is evaluated, so requests waiting on it attach it
 
     def __init__(self, pool: KvPool, max_cells: int | None = None) -> None:

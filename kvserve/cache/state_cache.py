@@ -51,7 +51,6 @@ class StateStats(CacheStats):
 
 
 class StateCache:
-    donates_history = True  # a finished turn's state is where the conversation's next turn resumes
     donates_prompt = False  # the prompt's end is the `close` mark plus a generation prompt: not worth a state
 
     def __init__(self, pool: KvPool, budget_bytes: int, max_states: int = 16, min_gap: int | None = None) -> None:

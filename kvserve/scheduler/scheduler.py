@@ -56,9 +56,10 @@ class StepTimes:
 
 @dataclass
 class _Slot:
+    request: Request
     choice: Choice
     n_tokens: int
-    logits_index: int | None  # set when this chunk ends the sequence's known tokens
+    logits_index: int | None = None  # set when this chunk ends the sequence's known tokens
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -155,13 +156,17 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------------------
 
     def _admit(self, outputs: dict[str, RequestOutput]) -> None:
+        if self._running_choices() >= self.config.max_running:
+            return  # no slot: skip ranking the queue, which costs a cache lookup per waiting request
         admitted: list[Request] = []
+        cache = self.pool.cache
         for request in self._admission_order():
             if self._running_choices() + self._active(request) > self.config.max_running:
                 break
-            if self._waits_for_a_running_prefill(request):
+            cached = cache.match_len(request.prompt) if cache is not None else 0
+            if self._waits_for_a_running_prefill(request, cached):
                 continue
-            if not self._fits(request, outputs) or not self._start(request):
+            if not self._fits(request, cached, outputs) or not self._start(request):
                 break
             self.waiting.remove(request)
             self.running.append(request)
@@ -184,13 +189,11 @@ class Scheduler:
                       key=lambda r: cache.match_len(r.prompt), reverse=True)  # stable: ties keep arrival order
         return starved + rest
 
-    def _waits_for_a_running_prefill(self, request: Request) -> bool:
+    def _waits_for_a_running_prefill(self, request: Request, cached: int) -> bool:
         """A request whose prompt shares more than a page beyond what is cached with a prompt being
         prefilled right now waits for that prefill to donate, instead of computing the same prefix."""
-        cache = self.pool.cache
-        if cache is None:
+        if self.pool.cache is None:
             return False
-        cached = cache.match_len(request.prompt)
         for other in self.running:
             first = other.choices[0]
             if first.session is not None and first.session.n_past < len(other.prompt):
@@ -205,9 +208,8 @@ class Scheduler:
     def _active(request: Request) -> int:
         return sum(c.finish_reason is None for c in request.choices) if request.choices else request.n
 
-    def _fits(self, request: Request, outputs: dict[str, RequestOutput]) -> bool:
+    def _fits(self, request: Request, cached: int, outputs: dict[str, RequestOutput]) -> bool:
         """Room for the uncached prompt now; a prompt too big even for an empty context is failed."""
-        cached = self.pool.cache.match_len(request.prompt) if self.pool.cache else 0
         if self.pool.make_room(len(request.prompt) - cached + request.n):
             return True
         if not self.running:
@@ -258,35 +260,36 @@ class Scheduler:
 
     def _plan(self, outputs: dict[str, RequestOutput]) -> list[_Slot]:
         """Decode tokens first, then prompt chunks in admission order, within budget and free cells."""
-        decoding, prefilling = self._resident_choices()
+        decoding, prefilling = self._resident_slots()
         while decoding and not self.pool.make_room(len(decoding)):
             self._shed_load(outputs)
-            decoding, prefilling = self._resident_choices()
-        slots = [_Slot(c, 1, None) for c in decoding]
+            decoding, prefilling = self._resident_slots()
+        slots = decoding
         budget = self.config.token_budget - len(decoding)
-        for choice in prefilling:
+        for slot in prefilling:
             room = self.pool.free_cells - sum(s.n_tokens for s in slots)
-            n = min(choice.unevaluated, budget, room, self._to_next_checkpoint(choice))
-            if n <= 0:
+            slot.n_tokens = min(slot.choice.unevaluated, budget, room, self._to_next_checkpoint(slot))
+            if slot.n_tokens <= 0:
                 break
-            slots.append(_Slot(choice, n, None))
-            budget -= n
+            slots.append(slot)
+            budget -= slot.n_tokens
         return slots
 
-    def _to_next_checkpoint(self, choice: Choice) -> int:
+    @staticmethod
+    def _to_next_checkpoint(slot: _Slot) -> int:
         """A recurrent state can only be saved where the sequence stands, so prefill stops there."""
-        n_past = choice.session.n_past
-        request = self._owner(choice)
-        ahead = [p for p in request.checkpoints if p > n_past] if choice.index == 0 else []
-        return min(ahead) - n_past if ahead else choice.unevaluated
+        n_past = slot.choice.session.n_past
+        ahead = [p for p in slot.request.checkpoints if p > n_past] if slot.choice.index == 0 else []
+        return min(ahead) - n_past if ahead else slot.choice.unevaluated
 
-    def _resident_choices(self) -> tuple[list[Choice], list[Choice]]:
-        decoding: list[Choice] = []
-        prefilling: list[Choice] = []
+    def _resident_slots(self) -> tuple[list[_Slot], list[_Slot]]:
+        """Slots of one decode token each, and prefill slots whose size `_plan` decides."""
+        decoding: list[_Slot] = []
+        prefilling: list[_Slot] = []
         for request in self.running:
             for choice in request.choices:
                 if choice.finish_reason is None and not choice.waits_for_fork:
-                    (decoding if choice.unevaluated == 1 else prefilling).append(choice)
+                    (decoding if choice.unevaluated == 1 else prefilling).append(_Slot(request, choice, 1))
         return decoding, prefilling
 
     def _shed_load(self, outputs: dict[str, RequestOutput]) -> None:
@@ -323,26 +326,23 @@ class Scheduler:
             self._shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry
             return
         except DecodeError as exc:
-            self._fail({self._owner(s.choice) for s in slots}, f"decode failed ({exc}); the request was dropped", outputs)
+            self._fail({s.request for s in slots}, f"decode failed ({exc}); the request was dropped", outputs)
             return
         finally:
             self.times.decode_seconds += time.perf_counter() - started
         for slot in slots:
             session = slot.choice.session
             session.tokens.extend(slot.choice.tokens[session.n_past : session.n_past + slot.n_tokens])
-            self._checkpoint_if_at_stop(slot.choice)
+            self._checkpoint_if_at_stop(slot)
         for slot in slots:
             if slot.logits_index is not None:
-                self._sample(self._owner(slot.choice), slot.choice, slot.logits_index, outputs)
+                self._sample(slot.request, slot.choice, slot.logits_index, outputs)
 
-    def _checkpoint_if_at_stop(self, choice: Choice) -> None:
-        request = self._owner(choice)
-        opening = request.checkpoints.get(choice.session.n_past) if choice.index == 0 else None
+    def _checkpoint_if_at_stop(self, slot: _Slot) -> None:
+        session = slot.choice.session
+        opening = slot.request.checkpoints.get(session.n_past) if slot.choice.index == 0 else None
         if opening is not None:
-            self.pool.cache.insert(choice.session, preview=self._preview(request), opening=opening)
-
-    def _owner(self, choice: Choice) -> Request:
-        return next(r for r in self.running if choice in r.choices)
+            self.pool.cache.insert(session, preview=self._preview(slot.request), opening=opening)
 
     def _fail(self, requests: set[Request], message: str, outputs: dict[str, RequestOutput]) -> None:
         for request in requests:
@@ -430,7 +430,7 @@ class Scheduler:
         resident.sort(key=lambda c: not c.forked)
         for choice in resident:
             session = choice.session
-            if donate and self.pool.cache is not None and self.pool.cache.donates_history and not choice.forked:
+            if donate and self.pool.cache is not None and not choice.forked:
                 self.pool.cache.insert(session, session.tokens, preview=self._preview(request))
             self.pool.release_kv_pages(session)
             choice.session = None
