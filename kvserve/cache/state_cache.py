@@ -28,6 +28,7 @@ class Checkpoint:
     tokens: list[int]
     blob: bytes
     opening: bool  # shared by every conversation on its system prompt; evicted last
+    preview: str = ""  # a label for dashboards
     holder: int | None = None
     base: "Checkpoint | None" = None
     own_cells: int = 0
@@ -41,7 +42,7 @@ class Checkpoint:
 
     def snapshot(self) -> dict:
         return {"position": self.position, "kind": "opening" if self.opening else "conversation",
-                "bytes": len(self.blob), "hits": self.hits}
+                "bytes": len(self.blob), "hits": self.hits, "preview": self.preview}
 
 
 @dataclass
@@ -145,12 +146,13 @@ class StateCache:
                 return c
         if not self._make_room(self.pool.ctx.state_size(session.seq)):
             return None
-        return self._save(session, opening)
+        return self._save(session, opening, preview)
 
-    def _save(self, session: Session, opening: bool) -> Checkpoint:
+    def _save(self, session: Session, opening: bool, preview: str) -> Checkpoint:
         ctx = self.pool.ctx
         base = next((c for c in reversed(session.attached) if isinstance(c, Checkpoint)), None)
-        checkpoint = Checkpoint(tokens=list(session.tokens), blob=ctx.save_state(session.seq), opening=opening)
+        checkpoint = Checkpoint(tokens=list(session.tokens), blob=ctx.save_state(session.seq), opening=opening,
+                                preview=preview[:80])
         self._state_size = len(checkpoint.blob)
         if self.hybrid:
             checkpoint.holder = self.pool.take_id()

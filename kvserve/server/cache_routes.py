@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from kvserve.cache.state_cache import StateCache
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
-from kvserve.server.errors import invalid
+from kvserve.server.errors import invalid_body
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
@@ -26,9 +26,7 @@ async def _prompt_of(engine: Engine, body: dict) -> list[int]:
         completion = CompletionRequest.model_validate(body)
         return await asyncio.to_thread(prompts.completion_prompt, engine.model, completion)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise invalid(f"{param}: {first['msg']}" if param else first["msg"], param) from exc
+        raise invalid_body(exc.errors()) from exc
 
 
 @router.post("/v1/prefix/match")

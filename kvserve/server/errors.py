@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,13 +41,14 @@ def _param(loc: tuple) -> str | None:
     return out or None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
+def invalid_body(errors: Sequence[dict]) -> APIError:
+    """The 400 for a body that failed validation, naming the first offending parameter."""
+    first = errors[0]
     if first.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
+        return invalid("the request body is not valid JSON")
     param = _param(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    return (f"{param}: {message}" if param else message), param
+    return invalid(f"{param}: {message}" if param else message, param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -56,8 +58,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return JSONResponse(error_body(message, param=param), status_code=400)
+        error = invalid_body(exc.errors())
+        return JSONResponse(error.body, status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
