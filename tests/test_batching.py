@@ -29,7 +29,7 @@ PROMPTS = [
 
 
 def alone_and_together(model: Path, max_tokens: int, **overrides) -> tuple[list[list[int]], list[list[int]]]:
-    with engine(model, prefix_cache=False, **overrides) as e:
+    with engine(model, **{"prefix_cache": False, **overrides}) as e:
         prompts = [e.model.tokenize(p, add_special=True) for p in PROMPTS]
         alone = []
         for i, prompt in enumerate(prompts):
@@ -58,3 +58,20 @@ def test_small_token_budget_chunks_prompts_alongside_decodes(tiny, arch: str) ->
     and a parallel limit of 3 makes requests wait and join between steps."""
     alone, together = alone_and_together(tiny(arch), max_tokens=20, batch_size=16, parallel=3)
     assert together == alone
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "cache"])
+def test_full_kv_cache_preempts_and_resumes_like_alone(tiny, caching: bool) -> None:
+    """256 cells cannot hold 8 requests of ~60 tokens each: the newest running ones are sent back
+    to the queue (cache pages go first) and resume where they stopped, with nothing lost."""
+    with engine(tiny("llama"), prefix_cache=caching, ctx_size=256, prefix_cache_cells=64) as e:
+        prompts = [e.model.tokenize(p, add_special=True)[:40] for p in PROMPTS]
+        alone = []
+        for prompt in prompts:
+            request = greedy(prompt, max_tokens=30)
+            alone.append(run(e, [request])[request.id])
+        requests = [greedy(p, max_tokens=30) for p in prompts]
+        together = run(e, requests)
+        assert e.scheduler.preemptions > 0
+        assert [together[r.id] for r in requests] == alone
+        assert e.pool.sessions == []

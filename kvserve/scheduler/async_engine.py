@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from kvserve.scheduler.request import Request, RequestOutput
 from kvserve.scheduler.scheduler import Scheduler
@@ -22,17 +22,76 @@ class EngineStopped(RuntimeError):
     """The engine is not running (not started yet, or shut down)."""
 
 
+class QueueFull(RuntimeError):
+    """Every slot is taken and the waiting queue is at its bound."""
+
+
+class RequestStream:
+    """A request's outputs, in order, until the one carrying usage or an error.
+
+    `close` is synchronous and idempotent, so a cancelled task's `finally` can always call it: a
+    stream closed before the engine finished its request aborts it, which frees its sequences at
+    the next step.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request: Request) -> None:
+        self.request = request
+        self.finished = False  # the engine emitted the last output
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._first: RequestOutput | None = None
+        self._read_last = False
+        self._closed = False
+
+    def put(self, output: RequestOutput) -> None:
+        self.finished = _is_last(output)
+        self._queue.put_nowait(output)
+
+    async def peek(self) -> RequestOutput:
+        """The first output, which iteration will still yield: a response can wait for it before
+        choosing its status."""
+        if self._first is None:
+            self._first = await self._queue.get()
+        return self._first
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._read_last:
+            raise StopAsyncIteration
+        output = await self.peek()
+        self._first = None
+        self._read_last = _is_last(output)
+        return output
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if not self.finished:
+                self._engine.abort(self.request.id)
+
+
+def _is_last(output: RequestOutput) -> bool:
+    return output.usage is not None or output.error is not None
+
+
 class AsyncEngine:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, max_queue: int) -> None:
         self.scheduler = scheduler
+        self.max_queue = max_queue
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvserve-engine-loop")
@@ -50,25 +109,35 @@ class AsyncEngine:
         """Run `fn` on the engine thread, between steps."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until the one carrying usage or an error. Leaving early aborts it."""
+    def open(self, request: Request) -> RequestStream:
+        """Submit a request; its stream must be closed when read. Past `--parallel` + `--max-queue` requests in
+        flight, nothing is submitted and `QueueFull` is raised."""
         if not self.running:
             raise EngineStopped("the engine is not running")
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request.id] = queue
+        if self.in_flight >= self.scheduler.config.max_running + self.max_queue:
+            raise QueueFull(f"{self.in_flight} requests are in flight, the most this server queues")
+        stream = RequestStream(self, request)
+        self._streams[request.id] = stream
         self.scheduler.submit(request)
         self._wakeup.set()
-        done = False
-        try:
-            while not done:
-                output = await queue.get()
-                done = output.usage is not None or output.error is not None
-                yield output
-        finally:
-            del self._streams[request.id]
-            if not done:
-                self.scheduler.abort(request.id)
-                self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.scheduler.abort(request_id)
+        self._wakeup.set()
+
+    async def drain(self, timeout: float, message: str) -> int:
+        """Wait up to `timeout` seconds for the requests in flight to end, then fail the rest with
+        `message`; returns how many were failed."""
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._streams)
+        for request_id in left:
+            self.scheduler.abort(request_id, error=message)
+        self._wakeup.set()
+        return len(left)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -79,7 +148,10 @@ class AsyncEngine:
             started = time.perf_counter()
             outputs = await loop.run_in_executor(self._executor, self.scheduler.step)
             for output in outputs:
-                queue = self._streams.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if _is_last(output):  # it leaves here, read or not: `in_flight` counts what the engine serves
+                    del self._streams[output.request_id]
+                stream.put(output)
             self.scheduler.times.loop_seconds += time.perf_counter() - started

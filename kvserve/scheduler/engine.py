@@ -57,9 +57,11 @@ class Engine:
             max_running=settings.parallel,
             token_budget=settings.batch_size,
             max_seq_len=min(ctx.n_ctx, model.info.n_ctx_train or ctx.n_ctx),
+            queue_timeout=settings.queue_timeout,
         )
         scheduler = Scheduler(pool, config)
-        return cls(settings, model, ChatTemplate.from_model(model), pool, scheduler, AsyncEngine(scheduler))
+        async_engine = AsyncEngine(scheduler, settings.max_queue)
+        return cls(settings, model, ChatTemplate.from_model(model), pool, scheduler, async_engine)
 
     def close(self) -> None:
         """Release the cache, then the context, then the model (the reverse of `load`)."""

@@ -95,3 +95,4 @@ class RequestOutput:
     at: float = field(default_factory=time.monotonic)
     usage: Usage | None = None
     error: str | None = None
+    status: int = 500  # the HTTP status an error maps to, for a response that has not started

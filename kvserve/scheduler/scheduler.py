@@ -42,6 +42,7 @@ class SchedulerConfig:
     max_running: int  # sequences decoding at once (--parallel)
     token_budget: int  # tokens per llama_decode (--batch-size)
     max_seq_len: int  # longest sequence one request may grow to
+    queue_timeout: float = 0.0  # seconds a request may wait before its first admission; 0: forever
 
 
 @dataclass
@@ -80,8 +81,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.times = StepTimes()
         self._inbox: deque[Request] = deque()
-        self._aborts: deque[str] = deque()
+        self._aborts: deque[tuple[str, str | None]] = deque()
         self._batch = Batch(pool.ctx.n_batch)
+        self.preemptions = 0
         self.snapshot = EngineSnapshot(kv_cells=pool.n_cells, free_seq_ids=pool.free_ids)
 
     # -- called from any thread --------------------------------------------------------------------
@@ -89,8 +91,9 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         self._inbox.append(request)
 
-    def abort(self, request_id: str) -> None:
-        self._aborts.append(request_id)
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """End a request at the next step: as aborted, or, given `error`, as failed with a 503."""
+        self._aborts.append((request_id, error))
 
     def has_work(self) -> bool:
         return bool(self._inbox or self._aborts or self.waiting or self.running)
@@ -142,16 +145,30 @@ class Scheduler:
             conversation_checkpoints=len(states.checkpoints) - openings if states else 0,
             state_hits=states.stats.state_hits if states else 0,
             state_evictions=states.stats.state_evictions if states else 0,
+            preemptions=self.preemptions,
         )
 
     def _take_inbox(self, outputs: dict[str, RequestOutput]) -> None:
         while self._inbox:
             self.waiting.append(self._inbox.popleft())
         while self._aborts:
-            request_id = self._aborts.popleft()
+            request_id, error = self._aborts.popleft()
             for request in [*self.running, *self.waiting]:
                 if request.id == request_id:
-                    self._finish(request, FinishReason.ABORT, outputs)
+                    reason = FinishReason.ERROR if error else FinishReason.ABORT
+                    self._finish(request, reason, outputs, error=error, status=503)
+        self._time_out_waiting(outputs)
+
+    def _time_out_waiting(self, outputs: dict[str, RequestOutput]) -> None:
+        """A request never admitted within the queue timeout fails with a 503; a preempted one was
+        admitted, so it keeps its place."""
+        limit = self.config.queue_timeout
+        if not limit:
+            return
+        now = time.monotonic()
+        for request in [r for r in self.waiting if r.admitted_at is None and now - r.arrival > limit]:
+            message = f"the request waited {limit:g}s for a slot; the server is overloaded"
+            self._finish(request, FinishReason.ERROR, outputs, error=message, status=503)
 
     # -- admission ------------------------------------------------------------------------------------
 
@@ -214,7 +231,8 @@ class Scheduler:
             return True
         if not self.running:
             self.waiting.remove(request)
-            outputs[request.id] = RequestOutput(request.id, [], error="the prompt does not fit in the KV cache")
+            outputs[request.id] = RequestOutput(request.id, [], error="the prompt does not fit in the KV cache",
+                                                status=400)
         return False
 
     def _start(self, request: Request) -> bool:
@@ -300,6 +318,7 @@ class Scheduler:
             self._finish(self.running[0], FinishReason.LENGTH, outputs)
             return
         request = self.running.pop()
+        self.preemptions += 1
         self._release(request, donate=True)
         for choice in request.choices:
             choice.waits_for_fork = False  # siblings that never forked restart from the prompt
@@ -401,9 +420,8 @@ class Scheduler:
 
     # -- the end of a request -------------------------------------------------------------------------
 
-    def _finish(
-        self, request: Request, reason: FinishReason | None, outputs: dict[str, RequestOutput], error: str | None = None
-    ) -> None:
+    def _finish(self, request: Request, reason: FinishReason | None, outputs: dict[str, RequestOutput],
+                error: str | None = None, status: int = 500) -> None:
         """Close every open choice with `reason`, give the sequences back, emit usage (or the error)."""
         for choice in request.choices:
             if choice.finish_reason is None:
@@ -415,7 +433,7 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         output = outputs.setdefault(request.id, RequestOutput(request.id, []))
-        output.error = error
+        output.error, output.status = error, status
         output.usage = Usage(
             prompt_tokens=len(request.prompt),
             completion_tokens=sum(c.n_generated for c in request.choices),

@@ -22,6 +22,7 @@ class EngineSnapshot:
     conversation_checkpoints: int = 0
     state_hits: int = 0
     state_evictions: int = 0
+    preemptions: int = 0
 
     @property
     def kv_usage(self) -> float:
