@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -50,12 +51,19 @@ class Settings(BaseSettings):
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    api_key_file: Path | None = Field(None, description="file of accepted keys, one per line ('#' comments)")
+    metrics_need_key: bool = Field(False, description="/metrics needs the key too (it is public by default)")
+    max_queue: int = Field(512, ge=0, description="requests that may wait beyond --parallel running ones; more get 429")
+    queue_timeout: float = Field(600.0, ge=0, description="seconds a request may wait for a slot before a 503 (0: forever)")
+    drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests finish")
+    max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
 
-    @field_validator("model")
+    @field_validator("model", "api_key_file")
     @classmethod
-    def _model_exists(cls, value: Path | None) -> Path | None:
+    def _file_exists(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_file():
-            raise ValueError(f"model file not found: {value}")
+            raise ValueError(f"file not found: {value}")
         return value
 
     @model_validator(mode="after")
@@ -70,3 +78,11 @@ class Settings(BaseSettings):
     @property
     def served_name(self) -> str:
         return self.model_alias or self.model.stem
+
+    def api_keys(self) -> list[str]:
+        """Every accepted key: --api-key and the lines of --api-key-file. Empty: no auth."""
+        keys = [self.api_key] if self.api_key else []
+        if self.api_key_file is not None:
+            lines = (line.strip() for line in self.api_key_file.read_text().splitlines())
+            keys += [line for line in lines if line and not line.startswith("#")]
+        return keys

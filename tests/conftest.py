@@ -13,6 +13,7 @@ from typing import Iterator
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from kvserve.config import Settings, embedded_model_path
 from kvserve.scheduler.engine import Engine
@@ -89,6 +90,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve(model: Path, **overrides) -> Iterator[str]:
     """A real kvserve on a loopback port, in a thread of this process; yields its base URL."""
+    with served(model, **overrides) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def served(model: Path, **overrides) -> Iterator[tuple[str, FastAPI]]:
+    """`serve`, also yielding the app, for tests that look at (or break) its engine."""
     from kvserve.server.app import create_app
 
     port = free_port()
@@ -106,7 +114,7 @@ def serve(model: Path, **overrides) -> Iterator[str]:
     else:
         raise RuntimeError("kvserve did not become healthy")
     try:
-        yield url
+        yield url, app
     finally:
         server.should_exit = True
         thread.join(timeout=30)

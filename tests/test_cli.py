@@ -10,7 +10,7 @@ import pytest
 
 @pytest.mark.parametrize("args, says", [
     (["--port", "abc"], "--port"),
-    (["--model", "/nonexistent/model.gguf"], "model file not found"),
+    (["--model", "/nonexistent/model.gguf"], "--model: file not found"),
     (["--parallel", "0"], "--parallel"),
 ])
 def test_bad_settings_exit_2_with_one_line(args: list[str], says: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 from typing import Any
 
@@ -16,6 +17,12 @@ _CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+# A template renders the request's own messages; output far beyond them, or a render this slow, is
+# a template looping on crafted input, and stops there instead of holding a worker thread.
+RENDER_MAX_CHARS = 64 * 1024 * 1024
+RENDER_MAX_SECONDS = 5.0
 
 
 class ChatTemplateError(ValueError):
@@ -51,13 +58,23 @@ class ChatTemplate:
         )
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text; rendering stops with ChatTemplateError past RENDER_MAX_CHARS or
+        RENDER_MAX_SECONDS (checked between the pieces jinja2 emits)."""
+        deadline = time.monotonic() + RENDER_MAX_SECONDS
+        pieces: list[str] = []
+        size = 0
         try:
-            return self._template.render(
+            for piece in self._template.generate(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-            )
+            ):
+                pieces.append(piece)
+                size += len(piece)
+                if size > RENDER_MAX_CHARS or time.monotonic() > deadline:
+                    raise ChatTemplateError("the chat template's output exceeds its size or time bound")
+            return "".join(pieces)
         except ChatTemplateError:
             raise
         except TemplateError as exc:  # includes SecurityError from the sandbox

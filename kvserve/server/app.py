@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from http import HTTPStatus
+from typing import AsyncIterator, Awaitable, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -15,39 +15,55 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.config import Settings
+from kvserve.scheduler.async_engine import EngineStopped, QueueFull, RequestStream
 from kvserve.scheduler.engine import Engine
-from kvserve.scheduler.request import Request as EngineRequest
 from kvserve.scheduler.request import RequestOutput
 from kvserve.server import cache_routes, prompts
-from kvserve.server.errors import APIError, install_error_handlers
+from kvserve.server.auth import bearer_values, require_key
+from kvserve.server.errors import APIError, engine_error, install_error_handlers
+from kvserve.server.logs import log_config
 from kvserve.server.metrics import Metrics, RequestTimer
-from kvserve.server.responses import EngineFailure, LogprobFormatter, Shape, collect, stream
-from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvserve.server.middleware import BodyLimit, RequestId
+from kvserve.server.responses import LogprobFormatter, Shape, collect, stream
+from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from kvserve.server.shutdown import SHUTTING_DOWN, DrainingServer
 
 _log = logging.getLogger("kvserve.server")
+T = TypeVar("T")
 
 
 def _engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-def _check_key(request: Request) -> None:
-    key = request.app.state.settings.api_key
-    if not key:
-        return
-    given = request.headers.get("authorization", "")
-    expected = f"Bearer {key}"
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
+def _rejected(request: Request, error: APIError) -> APIError:
+    """Count a request refused for load (429 or 503) before it is answered."""
+    request.app.state.metrics.rejected.labels(status=str(error.status)).inc()
+    return error
 
 
-api = APIRouter(dependencies=[Depends(_check_key)])
+def _accepting(request: Request) -> None:
+    if request.app.state.draining:
+        raise _rejected(request, APIError(503, SHUTTING_DOWN, type="server_error", code="shutting_down"))
+
+
+def _errors(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI entries for the error statuses a route can answer, all in the OpenAI shape."""
+    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+# What the generation routes answer besides their body: SSE when streaming, and every refusal.
+_GENERATION = {200: {"content": {"text/event-stream": {}}}, **_errors(400, 413, 429, 500, 503)}
+
+api = APIRouter(dependencies=[Depends(require_key)], responses=_errors(401))
 public = APIRouter()
 
 
 @public.get("/health")
 async def health(request: Request) -> JSONResponse:
     engine: Engine | None = getattr(request.app.state, "engine", None)
+    if request.app.state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     if engine is None or not engine.async_engine.running:
         return JSONResponse({"status": "loading"}, status_code=503)
     return JSONResponse({"status": "ok"})
@@ -55,6 +71,8 @@ async def health(request: Request) -> JSONResponse:
 
 @public.get("/metrics")
 async def metrics(request: Request) -> Response:
+    if request.app.state.settings.metrics_need_key:
+        require_key(request)
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -74,54 +92,101 @@ async def models(request: Request) -> dict:
     }
 
 
-@api.post("/v1/chat/completions")
-@api.post("/chat/completions")
+@api.post("/v1/chat/completions", dependencies=[Depends(_accepting)], responses=_GENERATION)
+@api.post("/chat/completions", dependencies=[Depends(_accepting)], responses=_GENERATION)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
     prompt, stops = await asyncio.to_thread(prompts.chat_prompt, engine.model, engine.template, body)
     grammar = prompts.grammar_for(body.response_format)
     params = prompts.sampling_params(engine.model, body, grammar)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    job = prompts.build_request(prompt, body, params, logprobs, engine.max_seq_len, "chatcmpl")
+    job = prompts.build_request(prompt, body, params, logprobs, engine.scheduler.config, "chatcmpl")
     job.stops = stops
     return await _respond(request, engine, Shape(True, engine.settings.served_name, job), body.stream, body.stream_options)
 
 
-@api.post("/v1/completions")
-@api.post("/completions")
+@api.post("/v1/completions", dependencies=[Depends(_accepting)], responses=_GENERATION)
+@api.post("/completions", dependencies=[Depends(_accepting)], responses=_GENERATION)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = _engine(request)
     prompt = await asyncio.to_thread(prompts.completion_prompt, engine.model, body)
     params = prompts.sampling_params(engine.model, body, None)
-    job = prompts.build_request(prompt, body, params, body.logprobs, engine.max_seq_len, "cmpl")
+    job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl")
     return await _respond(request, engine, Shape(False, engine.settings.served_name, job), body.stream, body.stream_options)
 
 
-async def _timed(outputs: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[RequestOutput]:
+async def _timed(outputs: RequestStream, timer: RequestTimer) -> AsyncIterator[RequestOutput]:
+    """The outputs, observed for metrics and logged at the end; the stream is closed however this ends."""
     reasons: list[str] = []
-    async for output in outputs:
-        timer.observe(output)
-        reasons += [d.finish_reason.value for d in output.deltas if d.finish_reason is not None]
-        yield output
+    try:
+        async for output in outputs:
+            timer.observe(output)
+            reasons += [d.finish_reason.value for d in output.deltas if d.finish_reason is not None]
+            if output.usage is not None:
+                _log.info("%s: %d prompt tokens (%d cached), %d generated, finish %s", outputs.request.id,
+                          output.usage.prompt_tokens, output.usage.cached_tokens, output.usage.completion_tokens,
+                          ",".join(reasons) or output.error)
+            yield output
+    finally:
+        outputs.close()
     timer.finished(reasons)
 
 
-async def _respond(request: Request, engine: Engine, shape: Shape, streaming: bool, options) -> Response:
-    job: EngineRequest = shape.request
-    timer = RequestTimer(request.app.state.metrics, job.arrival)
-    outputs = _timed(engine.async_engine.generate(job), timer)
-    formatter = LogprobFormatter(engine.model)
-    if streaming:
-        include_usage = bool(options and options.include_usage)
-        return StreamingResponse(
-            stream(shape, outputs, formatter, include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+class _ClientGone(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or `_ClientGone` (with `work` cancelled) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        return JSONResponse(await collect(shape, outputs, formatter))
-    except EngineFailure as exc:
-        raise APIError(500, str(exc), type="server_error") from exc
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise _ClientGone
+    return task.result()
+
+
+async def _respond(request: Request, engine: Engine, shape: Shape, streaming: bool, options) -> Response:
+    """Waits for the first output before answering, so a request the engine refuses (queue timeout,
+    a prompt too big for the cache, a failed decode) gets its own status, not a 200 stream."""
+    try:
+        outputs = engine.async_engine.open(shape.request)
+    except QueueFull as exc:
+        busy = APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        raise _rejected(request, busy) from exc
+    except EngineStopped as exc:
+        raise APIError(503, str(exc), type="server_error", code="shutting_down") from exc
+    timer = RequestTimer(request.app.state.metrics, shape.request.arrival)
+    formatter = LogprobFormatter(engine.model)
+    try:
+        first = await _unless_disconnected(request, outputs.peek())
+        if first.error is not None:
+            error = engine_error(first.error, first.status)
+            raise _rejected(request, error) if error.status == 503 else error
+        if streaming:
+            include_usage = bool(options and options.include_usage)
+            return StreamingResponse(
+                stream(shape, _timed(outputs, timer), formatter, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return JSONResponse(await _unless_disconnected(request, collect(shape, _timed(outputs, timer), formatter)))
+    except _ClientGone:
+        outputs.close()
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it, logs do
+    except BaseException:
+        outputs.close()
+        raise
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -139,15 +204,39 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
+    app.state.api_keys = bearer_values(settings.api_keys())
+    app.state.draining = False
     app.state.started = int(time.time())
     app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times)
     install_error_handlers(app)
+    _document_400s_not_422s(app)
     app.include_router(public)
     app.include_router(api)
-    app.include_router(cache_routes.router, dependencies=[Depends(_check_key)])
+    app.include_router(cache_routes.router, dependencies=[Depends(require_key)], responses=_errors(400, 401, 413))
+    # Outermost first: the request id is set before anything can log or answer.
+    app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * 1024 * 1024))
+    app.add_middleware(RequestId)
     return app
 
 
+def _document_400s_not_422s(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every body; kvserve answers a bad body with an OpenAI 400."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def serve(settings: Settings) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=log_config(settings.log_format))
+    DrainingServer(config, app, settings.drain_timeout).run()

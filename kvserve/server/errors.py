@@ -29,6 +29,11 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def engine_error(message: str, status: int) -> APIError:
+    """A request the engine ended with an error: the client's fault below 500, the server's above."""
+    return APIError(status, message, type="invalid_request_error" if status < 500 else "server_error")
+
+
 def _param(loc: tuple) -> str | None:
     """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
     parts = [p for p in loc if p != "body"]

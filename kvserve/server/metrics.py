@@ -52,6 +52,9 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvserve_prefix_state_evictions", "Checkpoints evicted to keep the budget", s.state_evictions
         )
+        yield CounterMetricFamily(
+            "kvserve_preemptions", "Running requests sent back to the queue for lack of KV cells", s.preemptions
+        )
         yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", t.steps)
         yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", t.step_seconds)
         yield CounterMetricFamily("kvserve_engine_decode_seconds", "Time spent inside llama_decode", t.decode_seconds)
@@ -80,6 +83,10 @@ class Metrics:
         )
         self.queue = Histogram(
             "kvserve_request_queue_time_seconds", "Arrival to admission", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.rejected = Counter(
+            "kvserve_request_rejected", "Requests refused for load: queue full (429), queue timeout or shutdown (503)",
+            ["status"], registry=r,
         )
         r.register(_EngineCollector(snapshot, times))
 

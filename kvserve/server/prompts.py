@@ -12,6 +12,7 @@ from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
 from kvserve.scheduler.request import Request
+from kvserve.scheduler.scheduler import SchedulerConfig
 from kvserve.server.errors import invalid
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat, _Sampling
 
@@ -95,8 +96,12 @@ def _check_grammar(model: Model, params: SamplingParams) -> None:
 
 
 def build_request(
-    prompt: list[int], body: _Sampling, params: SamplingParams, logprobs: int | None, max_seq_len: int, prefix: str
+    prompt: list[int], body: _Sampling, params: SamplingParams, logprobs: int | None, limits: SchedulerConfig,
+    prefix: str,
 ) -> Request:
+    if body.n > limits.max_running:  # its choices decode side by side: they could never all be admitted
+        raise invalid(f"n is {body.n}, but this server runs at most {limits.max_running} sequences at once", "n")
+    max_seq_len = limits.max_seq_len
     if not prompt:
         raise invalid("the prompt is empty", "messages" if prefix == "chatcmpl" else "prompt")
     room = max_seq_len - len(prompt)

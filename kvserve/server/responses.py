@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import TokenLogprobs
 from kvserve.scheduler.request import Delta, Request, RequestOutput, Usage
-from kvserve.server.errors import error_body
+from kvserve.server.errors import engine_error, error_body
 
 
 def sse(data: dict | str) -> str:
@@ -25,10 +25,6 @@ def usage_body(usage: Usage) -> dict:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-class EngineFailure(RuntimeError):
-    """The engine ended the request with an error (e.g. a failed decode)."""
 
 
 @dataclass
@@ -107,7 +103,7 @@ async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs:
     usage: Usage | None = None
     async for output in outputs:
         if output.error is not None:
-            raise EngineFailure(output.error)
+            raise engine_error(output.error, output.status)
         for delta in output.deltas:
             c = choices[delta.index]
             c.text += delta.text

@@ -10,6 +10,19 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx body: OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

@@ -1,0 +1,54 @@
+"""Logging: every line carries the request id of the HTTP request it belongs to, as text or JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextvars import ContextVar
+from datetime import datetime, timezone
+from typing import Any
+
+# Set by the request-id middleware for the task serving one HTTP request (and tasks it starts).
+request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get() or "-"
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, request_id, message (and exception)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", "-"),
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def log_config(log_format: str) -> dict[str, Any]:
+    """A `logging.config.dictConfig` for kvserve and uvicorn (uvicorn applies it at start)."""
+    formatter = (
+        {"()": JsonFormatter}
+        if log_format == "json"
+        else {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"}
+    )
+    handler = {"class": "logging.StreamHandler", "formatter": "default", "filters": ["request_id"],
+               "stream": "ext://sys.stderr"}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {"request_id": {"()": RequestIdFilter}},
+        "formatters": {"default": formatter},
+        "handlers": {"default": handler},
+        "root": {"handlers": ["default"], "level": "INFO"},
+        "loggers": {name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+    }
