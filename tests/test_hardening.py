@@ -1,0 +1,181 @@
+"""Overload, disconnects, engine faults and request limits, against a real server on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+
+from conftest import engine, greedy, run, served
+from kvserve.llama.batch import Batch
+from kvserve.llama.context import Context, DecodeError
+from kvserve.scheduler.request import RequestOutput
+from test_openai_api import assert_openai_error
+
+LONG = {"prompt": "hi", "max_tokens": 1500, "ignore_eos": True}  # runs for a while on the tiny model
+
+
+@pytest.fixture(scope="module")
+def server(tiny) -> Iterator[tuple[str, FastAPI]]:
+    with served(tiny("llama"), threads=1, parallel=4, max_body_mb=0.01) as pair:
+        yield pair
+
+
+def engine_idle(app: FastAPI, timeout: float = 10) -> bool:
+    """True once nothing is in flight and every sequence id not lent to the cache is free."""
+    engine = app.state.engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snapshot = engine.scheduler.snapshot
+        if not engine.async_engine.in_flight and snapshot.running == 0 and snapshot.waiting == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_non_utf8_body_is_a_400(server) -> None:
+    url, _ = server
+    response = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "caf\xe9"}',
+                          headers={"content-type": "application/json"})
+    assert_openai_error(response, None)
+
+
+def test_body_over_the_limit_is_a_413(server) -> None:
+    url, _ = server
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * 20_000})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_more_choices_than_parallel_slots_is_a_400(server) -> None:
+    """Found by the fuzz test: such a request could never be admitted and waited forever."""
+    url, _ = server
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "n": 5, "max_tokens": 2}, timeout=10)
+    assert "at most 4" in assert_openai_error(response, "n")["message"]
+
+
+def test_request_id_is_echoed_or_made(server) -> None:
+    url, _ = server
+    assert httpx.get(f"{url}/health", headers={"x-request-id": "abc-123"}).headers["x-request-id"] == "abc-123"
+    made = httpx.get(f"{url}/health", headers={"x-request-id": "bad id\twith spaces"}).headers["x-request-id"]
+    assert made != "bad id\twith spaces" and len(made) == 32
+
+
+def test_non_streamed_client_that_times_out_frees_its_sequence(server) -> None:
+    url, app = server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=LONG, timeout=0.5)
+    assert engine_idle(app, timeout=5), "the abandoned request kept running"
+    assert app.state.engine.pool.sessions == []
+
+
+def test_openai_stream_that_times_out_frees_its_sequence(server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine stalls mid-stream (every decode after the fifth takes a second); the client's read
+    timeout fires, it hangs up, and the sequence is freed one step later."""
+    url, app = server
+    ctx = app.state.engine.pool.ctx
+    real_decode, calls = ctx.decode, iter(range(10**9))
+
+    def stalling(batch: Batch) -> None:
+        if next(calls) >= 5:
+            time.sleep(1.0)
+        real_decode(batch)
+
+    monkeypatch.setattr(ctx, "decode", stalling)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=0.5)
+    chunks = 0
+    with pytest.raises(openai.APITimeoutError):
+        for _ in client.completions.create(model="m", stream=True, prompt=LONG["prompt"],
+                                           max_tokens=LONG["max_tokens"], extra_body={"ignore_eos": True}):
+            chunks += 1
+    assert chunks >= 3  # it timed out mid-stream, not before it began
+    assert engine_idle(app, timeout=5), "the abandoned stream kept running"
+    assert app.state.engine.pool.sessions == []
+
+
+def fail_next_decode(monkeypatch: pytest.MonkeyPatch, ctx: Context) -> None:
+    """The context's next llama_decode fails as llama.cpp reports it; later ones run."""
+    real_decode = ctx.decode
+    failures = iter([True])
+
+    def flaky(batch: Batch) -> None:
+        if next(failures, False):
+            raise DecodeError("injected")
+        real_decode(batch)
+
+    monkeypatch.setattr(ctx, "decode", flaky)
+
+
+def test_failed_decode_fails_only_its_batch(server, monkeypatch: pytest.MonkeyPatch) -> None:
+    url, app = server
+    fail_next_decode(monkeypatch, app.state.engine.pool.ctx)
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "decode failed" in error["message"]
+    after = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+    assert engine_idle(app) and app.state.engine.pool.sessions == []
+
+
+def test_burst_past_the_queue_gets_429s(tiny) -> None:
+    """2 running + 4 waiting are accepted; the other 14 of a burst of 20 are turned away at once."""
+    with served(tiny("llama"), threads=1, parallel=2, max_queue=4) as (url, app):
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {**LONG, "max_tokens": 300}
+                return await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(20)))
+
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
+        assert codes == [200] * 6 + [429] * 14
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 300
+        assert engine_idle(app)
+
+
+def test_request_waiting_past_the_queue_timeout_gets_503(tiny) -> None:
+    with served(tiny("llama"), threads=1, parallel=1, queue_timeout=0.3) as (url, app):
+        async def two() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                first = asyncio.create_task(client.post(f"{url}/v1/completions", json=LONG))
+                await asyncio.sleep(0.1)
+                second = await client.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                return [await first, second]
+
+        first, second = asyncio.run(two())
+        assert first.status_code == 200
+        assert second.status_code == 503 and "overloaded" in second.json()["error"]["message"]
+        assert engine_idle(app)
+
+
+def test_failed_decode_leaves_requests_outside_the_batch_alone(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one slot, the second request waits outside the batch that fails, then runs as if alone."""
+    with engine(tiny("llama"), parallel=1, prefix_cache=False) as e:
+        prompt = e.model.tokenize("The capital of France is", add_special=True)
+        reference = greedy(prompt, max_tokens=8)
+        expected = run(e, [reference])[reference.id]
+        fail_next_decode(monkeypatch, e.pool.ctx)
+        doomed, bystander = greedy(prompt, max_tokens=8), greedy(prompt, max_tokens=8)
+        for request in (doomed, bystander):
+            e.scheduler.submit(request)
+        ends: dict[str, RequestOutput] = {}
+        tokens: list[int] = []
+        while len(ends) < 2:
+            for output in e.scheduler.step():
+                if output.request_id == bystander.id:
+                    tokens += [t for d in output.deltas for t in d.token_ids]
+                if output.usage is not None or output.error is not None:
+                    ends[output.request_id] = output
+        assert "decode failed" in ends[doomed.id].error and ends[doomed.id].status == 500
+        assert ends[bystander.id].error is None and tokens == expected
+        assert e.pool.sessions == [] and e.pool.ctx.seq_pos_max(0) == -1

@@ -1,0 +1,73 @@
+"""SIGTERM drains: a real `python -m kvserve` process, its JSON logs, its keys and its exit status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from bench.servers import wait_healthy
+from conftest import free_port
+
+KEY = "sk-very-secret-9f8e7d"
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event) -> list[str]:
+    """The SSE data lines of one streamed completion."""
+    lines: list[str] = []
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line.removeprefix("data: "))
+                started.set()
+    return lines
+
+
+async def _drain_scenario(url: str, process: subprocess.Popen) -> tuple[list[str], list[str], httpx.Response, int]:
+    headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "drain-test-1"}
+    async with httpx.AsyncClient(timeout=60, headers=headers) as client:
+        short_started, long_started = asyncio.Event(), asyncio.Event()
+        short = asyncio.create_task(_stream(client, url, {"prompt": "hi", "max_tokens": 40, "ignore_eos": True},
+                                            short_started))
+        long = asyncio.create_task(_stream(client, url, {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True},
+                                           long_started))
+        await asyncio.wait_for(asyncio.gather(short_started.wait(), long_started.wait()), 30)
+        process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        refused = await client.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        health = (await client.get(f"{url}/health")).status_code
+        return await short, await long, refused, health
+
+
+def test_sigterm_lets_streams_finish_or_end_with_an_error_then_exits_0(tiny, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"# one key per line\n{KEY}\nsk-another\n")
+    port = free_port()
+    log = tmp_path / "kvserve.log"
+    command = [sys.executable, "-m", "kvserve", "--model", str(tiny("llama")), "--port", str(port), "--threads", "1",
+               "--parallel", "2", "--drain-timeout", "1", "--api-key-file", str(keys), "--log-format", "json"]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process)
+        short, long, refused, health = asyncio.run(_drain_scenario(url, process))
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
+    assert long[-1] == "[DONE]" and "shutting down" in json.loads(long[-2])["error"]["message"]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert health == 503
+
+    text = log.read_text()
+    records = [json.loads(line) for line in text.splitlines()]  # every line is a JSON object
+    assert any(r["request_id"] == "drain-test-1" for r in records)
+    assert KEY not in text and "sk-another" not in text
