@@ -1,4 +1,4 @@
-"""--api-key: every route but /health and /metrics needs `Authorization: Bearer <key>`."""
+"""--api-key: every route but /health and /metrics (unless --metrics-need-key) needs `Authorization: Bearer <key>`."""
 
 from __future__ import annotations
 
@@ -24,3 +24,10 @@ def test_bad_or_missing_key_is_an_openai_401_and_health_stays_open(tiny) -> None
         assert good.completions.create(model="m", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_metrics_need_the_key_when_asked(tiny) -> None:
+    with serve(tiny("llama"), api_key="s3cret", metrics_need_key=True) as url:
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
