@@ -1,12 +1,12 @@
-"""python -m bench [serving|prefix|multiturn] — each writes JSON and a Markdown table to bench/results/."""
+"""python -m bench [serving|prefix|checkpoints] — each writes JSON and a Markdown table to bench/results/."""
 
 from __future__ import annotations
 
 import sys
 
-from bench import multiturn, prefix, serving
+from bench import checkpoints, prefix, serving
 
-SUITES = {"serving": serving.main, "prefix": prefix.main, "multiturn": multiturn.main}
+SUITES = {"serving": serving.main, "prefix": prefix.main, "checkpoints": checkpoints.main}
 
 
 def main() -> None:
