@@ -100,7 +100,8 @@ def chart(rows: list[dict], path: Path) -> None:
         p50 = [r["ttft_p50"] if r else 0 for r in mine]
         p95 = [r["ttft_p95"] if r else 0 for r in mine]
         ttft.bar(xs, p50, width, label=server, yerr=[[0] * len(p50), [b - a for a, b in zip(p50, p95)]], capsize=3)
-        throughput.bar(xs, [r["output_tok_s"] if r else 0 for r in mine], width, label=server)
+        bars = throughput.bar(xs, [r["output_tok_s"] if r else 0 for r in mine], width, label=server)
+        throughput.bar_label(bars, fmt="%.3g", fontsize=7)  # the long workload's bars are too short to read
     for axis, title in ((ttft, "time to first token, s (p50, whisker to p95; log)"),
                         (throughput, "output tokens/s (higher is better)")):
         axis.set_xticks(range(len(workload_names)), workload_names)
