@@ -23,7 +23,7 @@ $(WHEELS)/.built: | $(BIN)/python
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel --quiet --no-deps --no-cache-dir -w $(WHEELS) $(LLAMA_CPP_PYTHON)
 	touch $@
 
-.PHONY: install install-test serve test
+.PHONY: install install-test install-bench serve test bench-setup bench
 install: $(WHEELS)/.built
 	$(BIN)/pip install --quiet --find-links $(WHEELS) -e .
 
@@ -35,3 +35,13 @@ serve: install
 
 test: install-test
 	$(BIN)/python -m pytest -q
+
+install-bench: $(WHEELS)/.built
+	$(BIN)/pip install --quiet --find-links $(WHEELS) -e '.[bench]'
+
+# llama-server from the llama.cpp the pinned llama-cpp-python vendors, built once with the same flags
+bench-setup: install-bench
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m bench.llama_server
+
+bench: bench-setup
+	$(BIN)/python -m bench

@@ -1,21 +1,30 @@
-"""python -m bench [serving|prefix|multiturn] — each writes JSON and a Markdown table to bench/results/."""
+"""python -m bench [compare|serving|prefix|checkpoints] — each writes JSON and Markdown to bench/results/.
+
+compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; the others
+are the earlier kvserve-only suites whose numbers the README quotes.
+"""
 
 from __future__ import annotations
 
-import sys
+import argparse
 
-from bench import multiturn, prefix, serving
+from bench import checkpoints, compare, prefix, serving
 
-SUITES = {"serving": serving.main, "prefix": prefix.main, "multiturn": multiturn.main}
+WORKLOADS = ["shared", "multiturn", "unique", "long"]
+SERVERS = ["kvserve", "llama-server", "llama-cpp-python"]
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(SUITES)
-    unknown = [n for n in names if n not in SUITES]
-    if unknown:
-        raise SystemExit(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)}")
-    for name in names:
-        print(f"## {name}\n\n{SUITES[name]()}\n")
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    parser.add_argument("suite", nargs="?", default="compare", choices=["compare", "serving", "prefix", "checkpoints"])
+    parser.add_argument("--quick", action="store_true", help="compare: one or two rounds, 16 tokens (a smoke run)")
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, help="compare: only these servers")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="compare: only these workloads")
+    args = parser.parse_args()
+    if args.suite == "compare":
+        print(compare.main(args.quick, args.servers, args.workloads))
+    else:
+        print({"serving": serving, "prefix": prefix, "checkpoints": checkpoints}[args.suite].main())
 
 
 if __name__ == "__main__":

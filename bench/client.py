@@ -14,9 +14,9 @@ import httpx
 class Result:
     ttft: float = 0.0
     itls: list[float] = field(default_factory=list)
-    output_tokens: int = 0
+    output_tokens: int = 0  # usage.completion_tokens, else the content chunks (one token each)
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = None  # None: the server does not report it (llama-cpp-python's)
     seconds: float = 0.0
     text: str = ""
     error: str | None = None
@@ -27,6 +27,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     result = Result()
+    chunks, reported_tokens = 0, None
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
@@ -39,10 +40,10 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                    result.output_tokens = usage["completion_tokens"]
+                    reported_tokens = usage["completion_tokens"]
                     result.prompt_tokens = usage["prompt_tokens"]
                     details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = details.get("cached_tokens") or 0
+                    result.cached_tokens = details.get("cached_tokens")
                 for choice in chunk.get("choices", []):
                     text = (choice.get("delta") or {}).get("content")
                     if not text:
@@ -54,9 +55,12 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
                         result.itls.append(now - last)
                     last = now
                     result.text += text
+                    chunks += 1
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.seconds = time.perf_counter() - start
+    # llama-cpp-python's server sends no usage when streaming; it streams one token per chunk
+    result.output_tokens = chunks if reported_tokens is None else reported_tokens
     return result
 
 

@@ -14,42 +14,31 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 
 from bench.client import stream_chat
 from bench.servers import free_port, kvserve_command, running, scrape
-from bench.stats import markdown_table, median, percentile
+from bench.stats import markdown_table, summarize
 
 RESULTS = Path(__file__).parent / "results"
 
 
 async def level(url: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
-    results = []
+    results, wall = [], 0.0
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
         for r in range(rounds):
             messages = [[{"role": "user", "content": f"Round {r}, user {i}: write a long story about the number {i}."}]
                         for i in range(concurrency)]
-            started = asyncio.get_running_loop().time()
-            batch = await asyncio.gather(*(stream_chat(client, url, m, max_tokens, {"ignore_eos": True}) for m in messages))
-            wall = asyncio.get_running_loop().time() - started
-            results.append((batch, wall))
-    errors = [x.error for batch, _ in results for x in batch if x.error]
-    all_results = [x for batch, _ in results for x in batch]
-    itls = [i for x in all_results for i in x.itls]
-    ttfts = [x.ttft for x in all_results]
-    tokens = sum(x.output_tokens for x in all_results)
-    wall = sum(w for _, w in results)
-    return {
-        "concurrency": concurrency,
-        "output_tok_s": tokens / wall,
-        "decode_tok_s": concurrency / median(itls),
-        "ttft_p50": percentile(ttfts, 0.5),
-        "ttft_p95": percentile(ttfts, 0.95),
-        "itl_p50": median(itls),
-        "errors": len(errors),
-    }
+            started = time.perf_counter()
+            results += await asyncio.gather(*(stream_chat(client, url, m, max_tokens, {"ignore_eos": True})
+                                              for m in messages))
+            wall += time.perf_counter() - started
+    stats = {"concurrency": concurrency, **summarize(results, wall)}
+    stats["decode_tok_s"] = concurrency / stats["itl_p50"]
+    return stats
 
 
 def raw_reference(levels: list[int], threads: int) -> dict[int, float]:

@@ -8,28 +8,22 @@ from the previous turn's last-message close and prefills the answer again. No
 real hybrid GGUF ships in a package, so the model is the tests' tiny random-weight LFM2 with
 SmolLM2's tokenizer and chat template: the token accounting is real, the timings are small.
 
-python -m bench multiturn
+python -m bench checkpoints
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import tempfile
 from pathlib import Path
 
-import httpx
-
-from bench.client import Result, stream_chat
-from bench.prefix import system_prompt
+from bench import workloads
 from bench.servers import free_port, kvserve_command, running
-from bench.stats import markdown_table, percentile
+from bench.stats import markdown_table, percentile, summarize
 
 RESULTS = Path(__file__).parent / "results"
-CONVERSATIONS = 8
-TURNS = 4
-SYSTEM = system_prompt()  # the same ~1,000-token handbook as the shared-prompt workload
+MAX_TOKENS = 24
 
 
 def hybrid_model(directory: Path) -> Path:
@@ -37,21 +31,6 @@ def hybrid_model(directory: Path) -> Path:
     from tiny_models import tiny_model
 
     return tiny_model("lfm2", directory)
-
-
-async def conversations(url: str) -> list[list[Result]]:
-    async with httpx.AsyncClient() as client:
-        async def conversation(c: int) -> list[Result]:
-            messages = [{"role": "system", "content": SYSTEM}]
-            results = []
-            for t in range(TURNS):
-                messages.append({"role": "user", "content": f"Customer {c}, turn {t}: where is parcel {c * 10 + t}?"})
-                result = await stream_chat(client, url, messages, 24)
-                results.append(result)
-                messages.append({"role": "assistant", "content": result.text})
-            return results
-
-        return await asyncio.gather(*(conversation(c) for c in range(CONVERSATIONS)))
 
 
 def main() -> str:
@@ -62,25 +41,23 @@ def main() -> str:
             port = free_port()
             flags = ["--model", str(model), "--parallel", "8"] + ([] if cache else ["--no-prefix-cache"])
             with running(kvserve_command(port, *flags), port,
-                         RESULTS / f"multiturn-{'cache' if cache else 'nocache'}.log") as url:
-                per_conversation = asyncio.run(conversations(url))
-            later = [r for conv in per_conversation for r in conv[1:]]
-            everything = [r for conv in per_conversation for r in conv]
+                         RESULTS / f"checkpoints-{'cache' if cache else 'nocache'}.log") as url:
+                run = workloads.run_sync(url, workloads.multiturn(), MAX_TOKENS)
+            later = [r for conv in run.per_user for r in conv[1:]]
             rows.append({
                 "cache": cache,
-                "skipped_from_turn_2": sum(r.cached_tokens for r in later) / sum(r.prompt_tokens for r in later),
-                "ttft_p50": percentile([r.ttft for r in everything], 0.5),
+                **summarize(run.results, run.wall),
+                "skipped_from_turn_2": sum(r.cached_tokens or 0 for r in later) / sum(r.prompt_tokens for r in later),
                 "ttft_p50_from_turn_2": percentile([r.ttft for r in later], 0.5),
-                "errors": sum(r.error is not None for r in everything),
             })
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "multiturn.json").write_text(json.dumps(rows, indent=2))
+    (RESULTS / "checkpoints.json").write_text(json.dumps(rows, indent=2))
     table = markdown_table(
         ["checkpoints", "prompt tokens skipped, turns 2-4", "TTFT p50 s", "TTFT p50 s, turns 2-4", "errors"],
         [["on" if r["cache"] else "off", f"{r['skipped_from_turn_2']:.0%}", r["ttft_p50"], r["ttft_p50_from_turn_2"],
           r["errors"]] for r in rows],
     )
-    (RESULTS / "multiturn.md").write_text(table + "\n")
+    (RESULTS / "checkpoints.md").write_text(table + "\n")
     return table
 
 

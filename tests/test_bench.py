@@ -1,0 +1,142 @@
+"""The benchmark harness, without timing: what the workloads send, what the client reads from a
+stream, how results become ratios and tables, and that every server gets the same model,
+threads and context. Speed goals live in bench/ as ratios, never here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench import workloads
+from bench.client import Result, stream_chat
+from bench.report import markdown, targets
+from bench.servers import Setup, contenders
+from bench.stats import summarize
+from conftest import serve
+from kvserve.llama.model import Model
+
+
+@pytest.fixture(scope="module")
+def tokens(smollm2: Path):
+    model = Model(smollm2)
+    yield lambda text: len(model.tokenize(text, add_special=False))
+    model.close()
+
+
+def user_texts(workload: workloads.Workload) -> list[str]:
+    return [workload.messages(u, r, [])[-1]["content"] for u in range(workload.users) for r in range(workload.rounds)]
+
+
+def test_workload_shapes(tokens) -> None:
+    shared = workloads.shared()
+    assert (shared.users, shared.rounds) == (8, 4)
+    assert 1000 <= tokens(shared.messages(0, 0, [])[0]["content"]) <= 1300  # the ~1,000-token (1,223) system prompt
+    assert len({shared.messages(u, r, [])[0]["content"] for u in range(8) for r in range(4)}) == 1
+    assert len(set(user_texts(shared))) == 32
+
+    unique = workloads.unique("a")
+    assert len({text[:12] for text in user_texts(unique)}) == unique.users * unique.rounds  # distinct from the first words on
+    assert not set(user_texts(unique)) & set(user_texts(workloads.unique("b")))
+
+    long = workloads.long("a")
+    assert (long.users, long.rounds) == (2, 1)
+    assert all(2900 <= tokens(text) <= 3100 for text in user_texts(long))
+
+
+def test_multiturn_carries_the_earlier_answers() -> None:
+    messages = workloads.multiturn().messages(3, 2, ["first answer", "second answer"])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in messages if m["role"] == "assistant"] == ["first answer", "second answer"]
+    assert messages[1] == workloads.multiturn().messages(3, 0, [])[1]  # earlier questions resent unchanged
+
+
+def sse(*chunks: dict) -> bytes:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+
+def read(body: bytes) -> Result:
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+
+    async def go() -> Result:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await stream_chat(client, "http://test", [{"role": "user", "content": "hi"}], 8)
+
+    return asyncio.run(go())
+
+
+def delta(text: str) -> dict:
+    return {"choices": [{"index": 0, "delta": {"content": text}}]}
+
+
+def test_client_reads_usage_or_counts_chunks() -> None:
+    usage = {"completion_tokens": 5, "prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}
+    reported = read(sse(delta("a"), delta("b"), {"choices": [], "usage": usage}))
+    assert (reported.text, reported.output_tokens, reported.prompt_tokens, reported.cached_tokens) == ("ab", 5, 40, 32)
+    assert len(reported.itls) == 1
+
+    # llama-cpp-python's server streams no usage: one chunk is one token, cached tokens unknown
+    unreported = read(sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}, delta("a"), delta("b"),
+                          delta("c")))
+    assert (unreported.output_tokens, unreported.cached_tokens) == (3, None)
+
+
+def test_summary_counts_errors_apart_and_keeps_unreported_cache_unknown() -> None:
+    ok = Result(ttft=0.5, itls=[0.1, 0.2], output_tokens=3, prompt_tokens=10)
+    failed = Result(error="HTTP 500")
+    row = summarize([ok, ok, failed], wall=2.0)
+    assert (row["errors"], row["requests"], row["output_tok_s"], row["requests_s"]) == (1, 3, 3.0, 1.0)
+    assert (row["cached_tokens"], row["first_error"]) == (None, "HTTP 500")
+    assert summarize([Result(cached_tokens=4), Result(cached_tokens=0)], wall=1.0)["cached_tokens"] == 4
+
+
+def row(server: str, workload: str, tok_s: float, ttft_p95: float, cached: int | None) -> dict:
+    return {"server": server, "workload": workload, "output_tok_s": tok_s, "ttft_p95": ttft_p95, "ttft_p50": 0.1,
+            "itl_p50": 0.01, "itl_p95": 0.02, "requests_s": 1.0, "prompt_tokens": 100, "cached_tokens": cached,
+            "errors": 0}
+
+
+def test_targets_are_ratios_to_llama_server_from_the_same_run() -> None:
+    rows = [row("kvserve", "shared", 30.0, 1.0, 90), row("llama-server", "shared", 10.0, 2.0, 50),
+            row("llama-cpp-python", "shared", 5.0, 9.0, None),
+            row("kvserve", "unique", 9.0, 1.0, 0), row("llama-server", "unique", 10.0, 1.0, 0)]
+    got = {t["target"]: (round(t["ratio"], 3), t["met"]) for t in targets(rows)}
+    assert got == {"shared: output tok/s ≥ 2x llama-server": (3.0, True),
+                   "shared: TTFT p95 ≤ 0.25x llama-server": (0.5, False),
+                   "unique: output tok/s ≥ 0.95x llama-server": (0.9, False)}  # no multiturn/long rows: no targets
+    machine = {"cpu": "cpu", "cores": 2, "memory_gib": 4, "os": "linux", "llama_cpp_python": "0.3.36",
+               "kvserve_commit": "abc"}
+    settings = {"model": "m.gguf", "threads": 2, "slots": 8, "ctx_per_request": 4096, "max_tokens": 64}
+    text = markdown({"machine": machine, "settings": settings, "rows": rows, "targets": targets(rows)})
+    assert "| shared | llama-cpp-python |" in text and "not reported" in text and "90 / 100 (90%)" in text
+    assert "| shared: TTFT p95 ≤ 0.25x llama-server | 0.50x | **no** |" in text
+
+
+def test_every_server_gets_the_same_model_threads_and_context() -> None:
+    setup = Setup(model=Path("/m.gguf"), threads=3, ctx_per_request=4096, slots=8)
+    argv = {s.name: s.command(9000) for s in contenders(setup, Path("/bin/llama-server"))}
+
+    def flag(name: str, *keys: str) -> str:
+        return next(argv[name][i + 1] for i, a in enumerate(argv[name]) if a in keys)
+
+    assert {flag(n, "--model") for n in argv} == {"/m.gguf"}
+    assert {flag(n, "--threads", "--n_threads") for n in argv} == {"3"}
+    assert flag("llama-server", "--threads-batch") == flag("llama-cpp-python", "--n_threads_batch") == "3"
+    # kvserve's context is shared by its sequences, llama-server's split evenly between its 8 slots
+    assert flag("kvserve", "--ctx-size") == flag("llama-server", "--ctx-size") == str(8 * 4096)
+    assert flag("kvserve", "--parallel") == flag("llama-server", "--parallel") == "8"
+    assert flag("llama-cpp-python", "--n_ctx") == "4096"  # one request at a time
+    assert flag("llama-cpp-python", "--interrupt_requests") == "False"
+
+
+def test_multiturn_workload_on_kvserve_reuses_the_conversation(smollm2: Path) -> None:
+    with serve(smollm2) as url:
+        run = workloads.run_sync(url, workloads.multiturn(users=2, rounds=2), 4)
+    assert [len(rounds) for rounds in run.per_user] == [2, 2]
+    assert all(r.error is None and r.output_tokens > 0 for r in run.results)
+    for first, second in run.per_user:
+        assert second.prompt_tokens > first.prompt_tokens
+        assert second.cached_tokens >= first.prompt_tokens - 16  # all but a partial page of turn one
