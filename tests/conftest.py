@@ -4,7 +4,6 @@ and a real server on a loopback port."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from bench.servers import free_port
 from kvserve.config import Settings, embedded_model_path
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request
@@ -79,12 +79,6 @@ def run(engine: Engine, requests: list[Request], max_steps: int = 10_000) -> dic
         if len(done) == len(requests):
             return tokens
     raise AssertionError("requests did not finish")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.servers import wait_healthy
-from conftest import free_port
+from bench.servers import free_port, wait_healthy
 
 KEY = "sk-very-secret-9f8e7d"
 
