@@ -18,7 +18,7 @@ from kvserve.config import Settings
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request as EngineRequest
 from kvserve.scheduler.request import RequestOutput
-from kvserve.server import cache_routes, prompts
+from kvserve.server import cache_routes, prompts, worker_routes
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.metrics import Metrics, RequestTimer
 from kvserve.server.responses import EngineFailure, LogprobFormatter, Shape, collect, stream
@@ -145,6 +145,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(public)
     app.include_router(api)
     app.include_router(cache_routes.router, dependencies=[Depends(_check_key)])
+    app.include_router(worker_routes.router, dependencies=[Depends(_check_key)])
     return app
 
 
