@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -50,6 +51,9 @@ class Settings(BaseSettings):
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    metrics_compat: Literal["vllm"] | None = Field(
+        None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
+    )
 
     @field_validator("model")
     @classmethod

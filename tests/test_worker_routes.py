@@ -1,8 +1,9 @@
 """The surface routers read from each replica: /server_info, vLLM's /tokenize and /detokenize, the
-/render endpoints, and the request leniency routers rely on."""
+/render endpoints, vLLM-named metrics, and the request leniency routers rely on."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -108,3 +109,28 @@ def test_health_is_503_until_the_model_is_loaded(model: Path) -> None:
     # Without entering the client's context the lifespan (which loads the model) never runs.
     response = TestClient(create_app(settings(model))).get("/health")
     assert (response.status_code, response.json()) == (503, {"status": "loading"})
+
+
+def _samples(text: str, prefix: str) -> dict[str, float]:
+    return {m[1]: float(m[2]) for m in re.finditer(rf"^({re.escape(prefix)}\S*) (\S+)$", text, re.MULTILINE)}
+
+
+def test_vllm_metrics_are_off_by_default(url: str) -> None:
+    assert "vllm:" not in httpx.get(f"{url}/metrics").text
+
+
+def test_vllm_metrics_mirror_the_kvserve_ones(model: Path) -> None:
+    with serve(model, threads=1, metrics_compat="vllm") as base:
+        for question in ("Where is Dune?", "Where is Emma?"):  # the second attaches the system prompt
+            messages = [MESSAGES[0], {"role": "user", "content": question}]
+            _served_prompt_tokens(base, "/v1/chat/completions", {"messages": messages})
+        text = httpx.get(f"{base}/metrics").text
+    vllm = _samples(text, "vllm:")
+    kvserve = _samples(text, "kvserve_")
+    label = f'{{model_name="{model.stem}"}}'
+    assert vllm[f"vllm:num_requests_running{label}"] == kvserve["kvserve_requests_running"] == 0
+    assert vllm[f"vllm:num_requests_waiting{label}"] == kvserve["kvserve_requests_waiting"] == 0
+    assert vllm[f"vllm:kv_cache_usage_perc{label}"] == kvserve["kvserve_kv_cache_usage_ratio"] > 0
+    hits = vllm[f"vllm:prefix_cache_hits_total{label}"]
+    assert hits == kvserve["kvserve_prefix_cache_hit_tokens_total"] > 0
+    assert vllm[f"vllm:prefix_cache_queries_total{label}"] == kvserve["kvserve_prefix_cache_queried_tokens_total"] > hits

@@ -140,7 +140,8 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.started = int(time.time())
-    app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times)
+    app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times,
+                                settings)
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)
