@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests finish")
     max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
+    metrics_compat: Literal["vllm"] | None = Field(
+        None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
+    )
 
     @field_validator("model", "api_key_file")
     @classmethod

@@ -4,6 +4,10 @@ and a real server on a loopback port."""
 from __future__ import annotations
 
 import contextlib
+import re
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -112,3 +116,15 @@ def served(model: Path, **overrides) -> Iterator[tuple[str, FastAPI]]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def kvserve_help() -> str:
+    """`kvserve --help` from this environment's console script: the flags a file may name."""
+    exe = shutil.which("kvserve") or str(Path(sys.executable).parent / "kvserve")
+    result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def names_flag(help_text: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None

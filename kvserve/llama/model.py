@@ -91,8 +91,9 @@ class Model:
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+    def detokenize(self, tokens: list[int], *, special: bool = False) -> str:
+        """The text of `tokens`; `special` spells out control tokens (<|im_start|>) instead of dropping them."""
+        return b"".join(self.piece(t, special=special) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))

@@ -18,7 +18,7 @@ from kvserve.config import Settings
 from kvserve.scheduler.async_engine import EngineStopped, QueueFull, RequestStream
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import RequestOutput
-from kvserve.server import cache_routes, prompts
+from kvserve.server import cache_routes, prompts, worker_routes
 from kvserve.server.auth import bearer_values, require_key
 from kvserve.server.errors import APIError, engine_error, install_error_handlers
 from kvserve.server.logs import log_config
@@ -207,12 +207,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.api_keys = bearer_values(settings.api_keys())
     app.state.draining = False
     app.state.started = int(time.time())
-    app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times)
+    app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times,
+                                settings)
     install_error_handlers(app)
     _document_400s_not_422s(app)
     app.include_router(public)
     app.include_router(api)
     app.include_router(cache_routes.router, dependencies=[Depends(require_key)], responses=_errors(400, 401, 413))
+    app.include_router(worker_routes.router, dependencies=[Depends(require_key)], responses=_errors(400, 401, 413))
     # Outermost first: the request id is set before anything can log or answer.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     app.add_middleware(RequestId)

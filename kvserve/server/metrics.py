@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvserve.config import Settings
 from kvserve.scheduler.request import RequestOutput
 from kvserve.scheduler.scheduler import StepTimes
 from kvserve.scheduler.snapshot import EngineSnapshot
@@ -63,8 +64,32 @@ class _EngineCollector(Collector):
         )
 
 
+class _VllmCollector(Collector):
+    """The engine numbers under vLLM's names and `model_name` label, the ones routers (load-aware
+    policies) and existing vLLM dashboards read; the same snapshot as the kvserve_* ones."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
+        self._snapshot = snapshot
+        self._labels = [model_name]
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        for kind, name, doc, value in (
+            (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch", s.running),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting for admission", s.waiting),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", s.kv_usage),
+            (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens queried in the prefix cache",
+             s.queried_tokens),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.hit_tokens),
+        ):
+            family = kind(name, doc, labels=["model_name"])
+            family.add_metric(self._labels, value)
+            yield family
+
+
 class Metrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes],
+                 settings: Settings) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -89,6 +114,8 @@ class Metrics:
             ["status"], registry=r,
         )
         r.register(_EngineCollector(snapshot, times))
+        if settings.metrics_compat == "vllm":
+            r.register(_VllmCollector(snapshot, settings.served_name))
 
 
 class RequestTimer:

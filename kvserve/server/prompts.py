@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
 from llama_cpp.llama_grammar import json_schema_to_gbnf
+from pydantic import ValidationError
 
 from kvserve.cache.chat_marks import mark_messages
 from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
@@ -13,7 +15,7 @@ from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.scheduler import SchedulerConfig
-from kvserve.server.errors import invalid
+from kvserve.server.errors import invalid, invalid_body
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat, _Sampling
 
 
@@ -46,9 +48,33 @@ def completion_prompt(model: Model, body: CompletionRequest) -> list[int]:
         if not body.prompt:
             raise invalid("prompt must not be empty", "prompt")
         return text_tokens(model, body.prompt)
-    if any(not 0 <= t < model.info.n_vocab for t in body.prompt):
-        raise invalid(f"prompt token ids must be in [0, {model.info.n_vocab})", "prompt")
+    check_token_ids(model, body.prompt, "prompt")
     return list(body.prompt)
+
+
+def check_token_ids(model: Model, tokens: list[int], param: str) -> None:
+    if any(not 0 <= t < model.info.n_vocab for t in tokens):
+        raise invalid(f"{param}: token ids must be in [0, {model.info.n_vocab})", param)
+
+
+async def prompt_tokens(
+    model: Model, template: ChatTemplate, body: ChatCompletionRequest | CompletionRequest
+) -> list[int]:
+    """The tokens a chat or completion body is served with, for the endpoints that only look at
+    prompts (prefix match, tokenize, render): the same functions as the real request path."""
+    if isinstance(body, ChatCompletionRequest):
+        tokens, _ = await asyncio.to_thread(chat_prompt, model, template, body)
+        return tokens
+    return await asyncio.to_thread(completion_prompt, model, body)
+
+
+async def body_prompt(model: Model, template: ChatTemplate, body: dict) -> list[int]:
+    """`prompt_tokens` of a raw body: a chat when it has `messages`, else a completion."""
+    try:
+        parsed = (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
+    except ValidationError as exc:
+        raise invalid_body(exc.errors()) from exc
+    return await prompt_tokens(model, template, parsed)
 
 
 def grammar_for(response_format: ResponseFormat | None) -> str | None:

@@ -1,0 +1,87 @@
+"""What routers and fleet tooling ask each replica, in the shapes they already speak.
+
+- `/server_info` (SGLang's name): smg reads the model name, path and parallel sizes from it;
+- `/tokenize`, `/detokenize` (vLLM's shape) and `/v1/{chat/,}completions/render`: vllm-router's
+  cache_aware policy matches the tokens a replica would really prefill, so these reuse the request
+  path's own prompt functions (`prompts`), never a second rendering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from kvserve import __version__
+from kvserve.cache.state_cache import StateCache
+from kvserve.scheduler.engine import Engine
+from kvserve.server import prompts
+from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> dict:
+    engine = _engine(request)
+    s = engine.settings
+    return {
+        "served_model_name": s.served_name,
+        "model_path": str(s.model),
+        "tp_size": 1,  # one llama.cpp context per replica: scale out with more replicas
+        "dp_size": 1,
+        "context_length": engine.max_seq_len,
+        "max_total_tokens": s.ctx_size,
+        "version": __version__,
+        "engine": "kvserve",
+        "cache": {
+            "prefix_cache": s.prefix_cache,
+            "kind": "checkpoints" if isinstance(engine.pool.cache, StateCache) else "pages",
+            "ctx_size": s.ctx_size,
+            "parallel": s.parallel,
+            "page_rows": s.page_rows,
+            "prefix_cache_cells": s.prefix_cache_cells,
+            "prefix_states": s.prefix_states,
+            "prefix_state_mb": s.prefix_state_mb,
+        },
+    }
+
+
+@router.post("/tokenize")
+async def tokenize(body: dict, request: Request) -> dict:
+    """vLLM's /tokenize: `{"prompt"}` or `{"messages"}`, tokenized as that completion or chat would be."""
+    engine = _engine(request)
+    tokens = await prompts.body_prompt(engine.model, engine.template, body)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_seq_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    model = _engine(request).model
+    prompts.check_token_ids(model, body.tokens, "tokens")
+    # Special tokens spelled out, so that a rendered chat detokenizes to its template text.
+    return {"prompt": await asyncio.to_thread(model.detokenize, body.tokens, special=True)}
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat(body: ChatCompletionRequest, request: Request) -> dict:
+    engine = _engine(request)
+    return {"token_ids": await prompts.prompt_tokens(engine.model, engine.template, body)}
+
+
+@router.post("/v1/completions/render")
+async def render_completion(body: CompletionRequest, request: Request) -> dict:
+    engine = _engine(request)
+    return {"token_ids": await prompts.prompt_tokens(engine.model, engine.template, body)}
