@@ -77,6 +77,12 @@ class Replica:
     url: str
     process: Process
 
+    def served(self) -> float:
+        """Requests this replica finished, from its /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("kvserve_request_success_total"))
+
 
 def start_replica(model: Path, logs: Path, name: str, *flags: str) -> Replica:
     port = free_port()
@@ -132,8 +138,8 @@ def fleet(model: Path, logs: Path, router: str, policy: str, replica_flags: list
         for replica in replicas:
             wait_until(lambda: _healthy(replica), 180, f"{replica.url}/health")
         port = free_port()
-        process = Process(router_command(router, port, free_port(), [r.url for r in replicas], policy),
-                          logs / f"{router}.log")
+        command = router_command(router, port, free_port(), [r.url for r in replicas], policy)
+        process = Process(command, logs / f"{router}.log")
         started.append(process)
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: process.alive() and _workers_ready(url, n), 60, f"{router} with {n} healthy workers")

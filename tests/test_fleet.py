@@ -81,11 +81,6 @@ def holders(f: Fleet, desk: str) -> list[int]:
     return [i for i, n in enumerate(cached) if n > 0]
 
 
-def served(replica: str) -> float:
-    text = httpx.get(f"{replica}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvserve_request_success_total"))
-
-
 @pytest.mark.parametrize("router", ["smg", "vllm-router"])
 def test_prefixes_stick_to_a_replica_and_a_dead_replica_costs_only_retries(router: str, tiny, tmp_path: Path) -> None:
     if reason := missing_router(router):
@@ -110,10 +105,10 @@ def test_prefixes_stick_to_a_replica_and_a_dead_replica_costs_only_retries(route
         # The replica of the first desk dies; every later request must still be answered, by the other.
         victim = where["orchard"][0]
         f.replicas[victim].process.kill()
-        survivor = f.replicas[1 - victim].url
-        before = served(survivor)
+        survivor = f.replicas[1 - victim]
+        before = survivor.served()
         for i in range(3):
             for desk in PREFIXES:
                 eventually(f.url, chat(desk, f"After the outage, question {i}?"))
-        assert served(survivor) - before >= 3 * len(PREFIXES)
+        assert survivor.served() - before >= 3 * len(PREFIXES)
         assert f.router.alive()
