@@ -1,6 +1,7 @@
 """Schemathesis against kvserve's own /openapi.json: generated bodies, valid and invalid, for chat,
-completions, models, prefix match and the router routes (render, tokenize, detokenize). No 5xx, and every answer matches the status codes, content
-types and schemas the document promises (errors in the OpenAI shape included)."""
+completions, models, prefix match and the router routes (render, tokenize, detokenize). No 5xx,
+and every answer matches the status codes, content types and schemas the document promises
+(errors in the OpenAI shape included)."""
 
 from __future__ import annotations
 
