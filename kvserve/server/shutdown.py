@@ -26,7 +26,7 @@ class DrainingServer(uvicorn.Server):
         self.fastapi = app
         self.drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain: asyncio.Task[None] | None = None
+        self._drain: asyncio.Task[None] | None = None  # held: the loop keeps only weak references to tasks
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
