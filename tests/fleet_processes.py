@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from conftest import free_port
+from bench.servers import free_port, kvserve_command
 
 # The router packages: PyPI name -> the module their console script runs.
 ROUTER_MODULES = {"smg": "smg", "vllm-router": "vllm_router"}
@@ -86,8 +86,7 @@ class Replica:
 
 def start_replica(model: Path, logs: Path, name: str, *flags: str) -> Replica:
     port = free_port()
-    command = [sys.executable, "-m", "kvserve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-               *flags]
+    command = kvserve_command(port, "--model", str(model), *flags)
     return Replica(f"http://127.0.0.1:{port}", Process(command, logs / f"{name}.log"))
 
 
