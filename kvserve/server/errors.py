@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.server.schemas import ErrorResponse
 
 
 class APIError(Exception):
@@ -23,6 +26,11 @@ class APIError(Exception):
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI entries for the error statuses a route can answer, all in the OpenAI shape."""
+    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
 
 
 def invalid(message: str, param: str | None = None) -> APIError:

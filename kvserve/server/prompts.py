@@ -13,6 +13,7 @@ from kvserve.cache.chat_marks import mark_messages
 from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
+from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.scheduler import SchedulerConfig
 from kvserve.server.errors import invalid, invalid_body
@@ -119,6 +120,16 @@ def _check_grammar(model: Model, params: SamplingParams) -> None:
         Sampler(model, params).close()
     except GrammarError as exc:
         raise invalid(str(exc), "response_format") from exc
+
+
+async def chat_job(engine: Engine, body: ChatCompletionRequest) -> Request:
+    """The scheduler request a chat body is served as."""
+    prompt, stops = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body)
+    params = sampling_params(engine.model, body, grammar_for(body.response_format))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    job = build_request(prompt, body, params, logprobs, engine.scheduler.config, "chatcmpl")
+    job.stops = stops
+    return job
 
 
 def build_request(
