@@ -23,6 +23,8 @@ from kvserve.server.logs import log_config
 from kvserve.server.metrics import Metrics
 from kvserve.server.middleware import BodyLimit, RequestId
 from kvserve.server.responses import LogprobFormatter, Shape, collect, stream
+from kvserve.server.responses_api import routes as responses_api
+from kvserve.server.responses_api.store import ResponseStore
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 from kvserve.server.shutdown import DrainingServer
 
@@ -117,12 +119,15 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.api_keys = bearer_values(settings.api_keys())
     app.state.draining = False
     app.state.started = int(time.time())
+    app.state.response_store = ResponseStore(settings.response_store_count, int(settings.response_store_mb * 1024 * 1024),
+                                             settings.response_store_ttl)
     app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times,
                                 settings)
     install_error_handlers(app)
     _document_400s_not_422s(app)
     app.include_router(public)
     app.include_router(api)
+    app.include_router(responses_api.router, dependencies=[Depends(require_key)], responses=error_responses(401))
     app.include_router(cache_routes.router, dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
     app.include_router(worker_routes.router, dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
     # Outermost first: the request id is set before anything can log or answer.

@@ -43,20 +43,26 @@ def engine_error(message: str, status: int) -> APIError:
 
 
 def _param(loc: tuple) -> str | None:
-    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; union branches (a type such as `str`,
+    or a tagged model, named after its class) are no parameter names and are left out."""
     parts = [p for p in loc if p != "body"]
     out = ""
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not str(part).startswith(("function-", "list[", "str", "int", "literal[")):
+        elif not (str(part).startswith(("function-", "list[", "str", "int", "literal[")) or str(part)[:1].isupper()):
             out += ("." if out else "") + str(part)
     return out or None
 
 
 def invalid_body(errors: Sequence[dict]) -> APIError:
-    """The 400 for a body that failed validation, naming the first offending parameter."""
-    first = errors[0]
+    """The 400 for a body that failed validation, naming the first offending parameter. Where a
+    union failed in each of its branches, the deepest error is the branch the value was meant for."""
+    def field(error: dict) -> object:
+        return next((part for part in error.get("loc", ()) if part != "body"), None)
+
+    alike = [e for e in errors if field(e) == field(errors[0])]
+    first = max(alike, key=lambda e: len(e.get("loc", ())))
     if first.get("type") == "json_invalid":
         return invalid("the request body is not valid JSON")
     param = _param(tuple(first.get("loc", ())))
