@@ -34,7 +34,7 @@ def _tagged(*kinds: tuple[type[_Body], tuple[str | None, ...]], refusal: str) ->
 
     def tag(value: Any) -> str | None:
         kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return tags.get(kind)
+        return tags.get(kind) if kind is None or isinstance(kind, str) else None
 
     return Discriminator(tag, custom_error_type="unsupported_type", custom_error_message=refusal)
 
