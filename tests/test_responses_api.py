@@ -208,6 +208,18 @@ def test_continuation_attaches_the_earlier_turn_from_the_prefix_cache(client: op
     assert second.usage.input_tokens_details.cached_tokens >= served // page_rows * page_rows > 0
 
 
+def test_continuation_resumes_from_a_checkpoint_on_a_model_that_carries_state(tiny) -> None:
+    """Mamba keeps no KV pages to share: the continuation resumes from a checkpoint, at the latest
+    the one where the first turn's input closed, before the assistant's opening."""
+    with serve(tiny("mamba"), threads=1, ctx_size=1024, parallel=2) as url:
+        first = create(url, input="Name a color.", temperature=0, max_output_tokens=8)
+        second = create(url, input="Another one?", previous_response_id=first["id"], temperature=0,
+                        max_output_tokens=8)
+        opening = httpx.post(f"{url}/tokenize", json={"prompt": "<|im_start|>assistant\n"}).json()["count"]
+    close = first["usage"]["input_tokens"] - opening
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] >= close > 0
+
+
 def test_store_get_delete(client: openai.OpenAI, base_url: str) -> None:
     r = create(base_url, input=QUESTION, max_output_tokens=4)
     assert client.responses.retrieve(r["id"]).model_dump(exclude_unset=True) == Response.model_validate(
