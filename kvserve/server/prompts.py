@@ -15,7 +15,7 @@ from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.scheduler import SchedulerConfig
-from kvserve.server.errors import invalid, invalid_body
+from kvserve.server.errors import context_length_exceeded, invalid, invalid_body
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat, _Sampling
 
 
@@ -132,11 +132,7 @@ def build_request(
         raise invalid("the prompt is empty", "messages" if prefix == "chatcmpl" else "prompt")
     room = max_seq_len - len(prompt)
     if room < 1:
-        raise invalid(
-            f"the prompt has {len(prompt)} tokens, but this server's limit is {max_seq_len - 1} prompt tokens "
-            f"({max_seq_len} per sequence)",
-            "messages" if prefix == "chatcmpl" else "prompt",
-        )
+        raise context_length_exceeded(max_seq_len, len(prompt), "messages" if prefix == "chatcmpl" else "prompt")
     return Request(
         id=f"{prefix}-{uuid.uuid4().hex}",
         prompt=prompt,
