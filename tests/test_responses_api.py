@@ -171,7 +171,7 @@ def test_json_schema_format_is_enforced(client: openai.OpenAI) -> None:
 
 
 def test_a_failure_mid_stream_closes_the_item_then_fails_the_response() -> None:
-    events = ResponseEvents(ResponseHead(CreateResponse(input="hi"), MODEL), logprobs=None)
+    events = ResponseEvents(ResponseHead(CreateResponse(input="hi"), MODEL), logprobs=None, tools=None)
     sent = events.started() + events.feed(RequestOutput("r", [Delta(0, "Hel")])) + events.feed(
         RequestOutput("r", [], error="llama_decode failed"))
     for event in sent:

@@ -32,6 +32,7 @@ class Request:
     logprobs: int | None = None  # how many alternatives per token; None: no logprobs at all
     ignore_eos: bool = False  # generate max_tokens regardless (benchmarks)
     stops: list[tuple[int, bool]] = field(default_factory=list)  # chat marks: (position, is_opening)
+    special_text: bool = False  # the text spells out special tokens (a tool-call marker may be one)
     arrival: float = field(default_factory=time.monotonic)
 
     choices: list["Choice"] = field(default_factory=list)

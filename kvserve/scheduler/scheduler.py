@@ -270,7 +270,7 @@ class Scheduler:
             index=index,
             tokens=list(request.prompt),
             sampler=Sampler(self.model, request.params),
-            detokenizer=Detokenizer(self.model),
+            detokenizer=Detokenizer(self.model, special=request.special_text),
             stop=StopMatcher(request.stop),
         )
 

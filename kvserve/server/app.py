@@ -77,9 +77,9 @@ async def models(request: Request) -> dict:
 @api.post("/chat/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
-    job = await prompts.chat_job(engine, body)
-    return await respond(request, engine, job, _answer(engine, Shape(True, engine.settings.served_name, job),
-                                                        body.stream, body.stream_options))
+    job, tools = await prompts.chat_job(engine, body)
+    shape = Shape(True, engine.settings.served_name, job, tools=tools)
+    return await respond(request, engine, job, _answer(engine, shape, body.stream, body.stream_options))
 
 
 @api.post("/v1/completions", dependencies=[Depends(accepting)], responses=_GENERATION)

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.scheduler.request import Usage
-from kvserve.server.responses_api.schemas import CreateResponse, MessageItem, TextContent, TextFormat
+from kvserve.server.responses_api.schemas import (
+    CreateResponse, FunctionCallItem, InputItem, MessageItem, TextContent, TextFormat,
+)
 
 
 def new_id(prefix: str) -> str:
@@ -45,7 +47,7 @@ class ResponseHead:
             "store": r.store,
             "temperature": 1.0 if r.temperature is None else r.temperature,
             "text": {"format": _format_body(r.text.format)},
-            "tool_choice": r.tool_choice,
+            "tool_choice": r.tool_choice if isinstance(r.tool_choice, str) else r.tool_choice.model_dump(),
             "tools": [tool.model_dump() for tool in r.tools],
             "top_logprobs": r.top_logprobs or 0,
             "top_p": 1.0 if r.top_p is None else r.top_p,
@@ -82,7 +84,15 @@ def message_item(item_id: str, status: str, content: list[dict]) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def as_input(item: dict) -> MessageItem:
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def as_input(item: dict) -> InputItem:
     """An output item as the input item a continuation reads it back as."""
+    if item["type"] == "function_call":
+        return FunctionCallItem(type="function_call", call_id=item["call_id"], name=item["name"],
+                                arguments=item["arguments"])
     text = "".join(part["text"] for part in item["content"])
     return MessageItem(role="assistant", content=[TextContent(type="output_text", text=text)])

@@ -93,6 +93,31 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
+class FunctionChoice(_Body):
+    """Call this function (and only it)."""
+
+    type: Literal["function"]
+    name: str
+
+
+class AllowedToolsChoice(_Body):
+    """Call only these functions: `auto` may answer in text, `required` must call one."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[FunctionChoice] = Field(min_length=1)
+
+
+ToolChoice = Union[
+    Literal["none", "auto", "required"],
+    Annotated[
+        Union[Annotated[FunctionChoice, Tag("FunctionChoice")], Annotated[AllowedToolsChoice, Tag("AllowedToolsChoice")]],
+        _tagged((FunctionChoice, ("function",)), (AllowedToolsChoice, ("allowed_tools",)),
+                refusal="a tool_choice object is a function or allowed_tools choice: this server calls function tools only"),
+    ],
+]
+
+
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str = "response"
@@ -146,7 +171,7 @@ class CreateResponse(_Body):
     include: list[Includable] | None = None
     text: TextConfig = Field(default_factory=TextConfig)
     tools: list[FunctionTool] = Field(default_factory=list)
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any]] = "auto"
+    tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     stream: bool = False
     store: bool = True

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -10,12 +11,19 @@ from pydantic import ValidationError
 
 from kvserve.server.errors import APIError, invalid, invalid_body
 from kvserve.server.responses_api.schemas import (
-    CreateResponse, FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, TextFormat, content_text,
+    CreateResponse, FunctionCallItem, FunctionCallOutputItem, FunctionChoice, InputItem, MessageItem, TextFormat,
+    ToolChoice, content_text,
 )
 from kvserve.server.schemas import ChatCompletionRequest
 
-# Chat parameters (and their prefixes) that a Responses request spells differently.
-_RESPONSES_PARAM = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+# How chat's parameters are spelled in a Responses request: chat message indexes do not count
+# input items, so no index is kept; a tool's fields sit on the tool itself, not in `function`.
+_RESPONSES_PARAMS = (
+    (re.compile(r"^messages\b.*"), "input"),
+    (re.compile(r"^response_format\b.*"), "text.format"),
+    (re.compile(r"^max_completion_tokens$"), "max_output_tokens"),
+    (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
+)
 
 
 def chat_request(body: CreateResponse, history: list[InputItem]) -> ChatCompletionRequest:
@@ -33,6 +41,7 @@ def chat_request(body: CreateResponse, history: list[InputItem]) -> ChatCompleti
         "top_logprobs": body.top_logprobs,
         "response_format": _response_format(body.text.format),
         "user": body.user,
+        **_tool_fields(body),
     }
     with in_responses_terms():
         try:
@@ -59,6 +68,25 @@ def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     return messages
 
 
+def _tool_fields(body: CreateResponse) -> dict[str, Any]:
+    """Chat's `tools`, `tool_choice` and `parallel_tool_calls`; without tools only the choices
+    that ask for no call are served (they are the default)."""
+    choice = body.tool_choice
+    if not body.tools:
+        return {} if choice in ("auto", "none") else {"tool_choice": _chat_choice(choice)}
+    tools = [{"type": "function", "function": tool.model_dump(exclude={"type"})} for tool in body.tools]
+    return {"tools": tools, "tool_choice": _chat_choice(choice), "parallel_tool_calls": body.parallel_tool_calls}
+
+
+def _chat_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    named = [{"type": "function", "function": {"name": tool.name}} for tool in choice.tools]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": named}}
+
+
 def _response_format(text: TextFormat) -> dict[str, Any]:
     if text.type != "json_schema":
         return {"type": text.type}
@@ -77,9 +105,9 @@ def in_responses_terms() -> Iterator[None]:
 def _renamed(error: APIError) -> APIError:
     detail = error.body["error"]
     param = detail["param"]
-    for chat, responses in _RESPONSES_PARAM.items():
-        if param is not None and (param == chat or param.startswith((f"{chat}.", f"{chat}["))):
-            param = responses  # chat message indexes do not count input items, so no index is kept
+    for pattern, spelling in _RESPONSES_PARAMS:
+        if param is not None and pattern.match(param):
+            param = pattern.sub(spelling, param, count=1)
             break
     return APIError(error.status, detail["message"], type=detail["type"], param=param, code=detail["code"],
                     headers=error.headers)
