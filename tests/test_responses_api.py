@@ -245,6 +245,87 @@ def test_store_false_keeps_nothing(base_url: str) -> None:
     assert httpx.get(f"{base_url}/v1/responses/{streamed[-1]['response']['id']}").json() == streamed[-1]["response"]
 
 
+# --- function tools (SmolLM2's template knows no tools: the generic JSON mode) ------------------------
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city", "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+TIME = {"type": "function", "name": "get_time", "description": "The local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+ASK = "What is the weather in Paris?"
+
+
+def calls_of(response: dict) -> list[tuple[str, dict]]:
+    calls = [item for item in response["output"] if item["type"] == "function_call"]
+    for call in calls:
+        assert call["id"].startswith("fc_") and call["call_id"].startswith("call_") and call["status"] == "completed"
+    return [(call["name"], json.loads(call["arguments"])) for call in calls]
+
+
+@pytest.mark.parametrize("choice,names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "name": "get_time"}, {"get_time"}),
+    ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}, {"get_time"}),
+], ids=["required", "named", "allowed_tools"])
+def test_a_required_choice_is_a_valid_call(base_url: str, choice, names: set[str]) -> None:
+    r = create(base_url, input=ASK, tools=[WEATHER, TIME], tool_choice=choice, temperature=0, max_output_tokens=60)
+    assert r["status"] == "completed" and r["tool_choice"] == choice and len(r["tools"]) == 2
+    calls = calls_of(r)
+    assert calls and all(name in names and isinstance(args.get("city"), str) for name, args in calls)
+    assert all(item["type"] == "function_call" for item in r["output"])  # no text beside a required call
+
+
+def test_parallel_tool_calls_false_makes_one_call(base_url: str) -> None:
+    r = create(base_url, input="Weather and time in Paris and Rome?", tools=[WEATHER, TIME], tool_choice="required",
+               parallel_tool_calls=False, temperature=0, max_output_tokens=80)
+    assert len(calls_of(r)) == 1 and r["parallel_tool_calls"] is False
+
+
+def test_tool_choice_none_answers_in_text(base_url: str) -> None:
+    r = create(base_url, input=ASK, tools=[WEATHER], tool_choice="none", temperature=0, max_output_tokens=12)
+    assert [item["type"] for item in r["output"]] == ["message"] and text_of(r)
+
+
+def test_streamed_call_events(base_url: str) -> None:
+    body = dict(input=ASK, tools=[WEATHER, TIME], tool_choice={"type": "function", "name": "get_weather"},
+                temperature=0, max_output_tokens=60)
+    whole = create(base_url, **body)
+    events = stream_events(base_url, **body)
+    kinds = [e["type"] for e in events]
+    deltas = kinds.count("response.function_call_arguments.delta")
+    assert deltas > 1 and [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * deltas,
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    added, done, final = events[2]["item"], events[-2]["item"], events[-1]["response"]
+    assert added["type"] == "function_call" and added["status"] == "in_progress" and added["arguments"] == ""
+    assert (added["id"], added["call_id"], added["name"]) == (done["id"], done["call_id"], done["name"])
+    arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert arguments == events[-3]["arguments"] == done["arguments"] and final["output"] == [done]
+    assert all(e["item_id"] == added["id"] and e["output_index"] == 0 for e in events[3:-2])
+    assert calls_of(final) == calls_of(whole) == [("get_weather", json.loads(arguments))]
+
+
+def test_call_result_continuation(client: openai.OpenAI) -> None:
+    """The SDK's round trip: a forced call, its output sent back through previous_response_id, an answer."""
+    first = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
+                                    max_output_tokens=60)
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER], tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "Sunny, 21 C"}], temperature=0, max_output_tokens=24)
+    assert second.output[0].type == "message" and second.output_text
+    spelled_out = client.responses.create(model=MODEL, tools=[WEATHER], tool_choice="none", temperature=0,
+                                          max_output_tokens=24, input=[
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
+    assert second.usage.input_tokens == spelled_out.usage.input_tokens and second.output_text == spelled_out.output_text
+    assert second.usage.input_tokens_details.cached_tokens > 0
+
+
 # --- errors --------------------------------------------------------------------------------------
 
 
@@ -266,7 +347,17 @@ BAD = {
                        "schema"),
     "schema-unsupported": ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "text.format", "json_schema"),
-    "too-long": ({"input": "hi " * 20000}, "input", "tokens"),
+    "too-long": ({"input": "hi " * 20000}, "input", "maximum context length"),
+    "choice-not-a-tool": ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+                          "tool_choice", "nope"),
+    "choice-without-tools": ({"input": "hi", "tool_choice": "required"}, "tool_choice", "tools"),
+    "hosted-choice": ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice",
+                      "function"),
+    "tool-name": ({"input": "hi", "tools": [{**WEATHER, "name": "get weather"}]}, "tools[0].name", "names"),
+    "tool-schema": ({"input": "hi", "tools": [{**WEATHER, "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/nowhere"}}}}]}, "tools[0].parameters", "get_weather"),
+    "tools-and-format": ({"input": "hi", "tools": [WEATHER], "text": {"format": {"type": "json_object"}}},
+                         "text.format", "tools"),
 }
 
 

@@ -27,12 +27,15 @@ class RefusalContent(_Body):
     refusal: str
 
 
-def _tagged(*kinds: tuple[type[_Body], tuple[str | None, ...]], refusal: str) -> Discriminator:
+def _tagged(*kinds: tuple[type[_Body], tuple[str | None, ...]], refusal: str, strings: str | None = None) -> Discriminator:
     """A discriminator on `type` whose tags are the models' names (which error params leave out)
-    and whose error for any other type is `refusal`. A `None` type value stands for a missing type."""
+    and whose error for any other type is `refusal`. A `None` type value stands for a missing type;
+    a string value gets the tag `strings`."""
     tags = {value: model.__name__ for model, values in kinds for value in values}
 
     def tag(value: Any) -> str | None:
+        if isinstance(value, str):
+            return strings
         kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
         return tags.get(kind) if kind is None or isinstance(kind, str) else None
 
@@ -108,13 +111,16 @@ class AllowedToolsChoice(_Body):
     tools: list[FunctionChoice] = Field(min_length=1)
 
 
-ToolChoice = Union[
-    Literal["none", "auto", "required"],
-    Annotated[
-        Union[Annotated[FunctionChoice, Tag("FunctionChoice")], Annotated[AllowedToolsChoice, Tag("AllowedToolsChoice")]],
-        _tagged((FunctionChoice, ("function",)), (AllowedToolsChoice, ("allowed_tools",)),
-                refusal="a tool_choice object is a function or allowed_tools choice: this server calls function tools only"),
+ToolChoiceMode = Literal["none", "auto", "required"]
+ToolChoice = Annotated[
+    Union[
+        Annotated[ToolChoiceMode, Tag("ToolChoiceMode")],
+        Annotated[FunctionChoice, Tag("FunctionChoice")],
+        Annotated[AllowedToolsChoice, Tag("AllowedToolsChoice")],
     ],
+    _tagged((FunctionChoice, ("function",)), (AllowedToolsChoice, ("allowed_tools",)), strings="ToolChoiceMode",
+            refusal="tool_choice is none, auto, required, or a function or allowed_tools choice: "
+                    "this server calls function tools only"),
 ]
 
 
