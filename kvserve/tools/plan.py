@@ -102,6 +102,7 @@ def generic_system_prompt(plan: ToolPlan) -> str:
     else:
         lines.append(f'Reply with one JSON object: {call} to call tools, or {{"response": "<your answer>"}} '
                      "to answer directly.")
-    lines.append("Call tools one at a time." if not plan.parallel else
-                 "List several calls to make them at once. Tool results come back as tool_response objects.")
+    lines.append("Call tools one at a time." if not plan.parallel else "List several calls to make them at once.")
+    lines.append('Tool results come back as tool_response objects. When they answer the question, reply with '
+                 '{"response": "<your answer>"}.')
     return "\n".join(lines)
