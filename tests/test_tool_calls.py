@@ -152,9 +152,23 @@ def test_tools_reach_the_prompt_unless_choice_is_none(servers: dict[str, str], f
     assert shown not in rendered(url)
 
 
-def test_none_is_text(servers: dict[str, str]) -> None:
-    whole = create(servers["generic"], tool_choice="none", max_tokens=16).choices[0]
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_none_is_text(servers: dict[str, str], fmt: str) -> None:
+    """No call even where the history is all calls; the generic mode answers in its JSON shape,
+    whose text is the content."""
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    whole = create(servers[fmt], messages=history, tool_choice="none", max_tokens=24).choices[0]
     assert whole.message.tool_calls is None and whole.message.content
+    assert not whole.message.content.startswith('{"response"')
+
+
+def test_response_format_with_tool_choice_none(servers: dict[str, str]) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    whole = create(servers["hermes"], tool_choice="none", response_format=fmt, max_tokens=60).choices[0]
+    assert whole.finish_reason == "stop" and isinstance(json.loads(whole.message.content)["n"], int)
 
 
 def test_parallel_calls(servers: dict[str, str]) -> None:
@@ -182,7 +196,7 @@ def test_every_choice_gets_its_calls(servers: dict[str, str]) -> None:
 
 @pytest.mark.parametrize("fmt,result_shown", [("hermes", "<tool_response>\nIt is 21 C in Paris.\n</tool_response>"),
                                               ("llama3", "ipython<|end_header_id|>\n\nIt is 21 C in Paris."),
-                                              ("generic", '"content": "It is 21 C in Paris."')])
+                                              ("generic", "Result of get_weather (call call_")])
 def test_round_trip(servers: dict[str, str], fmt: str, result_shown: str) -> None:
     """A call, its result sent back, a final answer: the assistant message goes back as the client
     received it (content null), and the template shows the result."""
