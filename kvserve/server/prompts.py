@@ -74,13 +74,15 @@ def chat_tools(model: Model, fmt: ToolFormat, body: ChatCompletionRequest) -> To
                      description=t.function.description, strict=bool(t.function.strict), param=f"tools[{i}].function")
         for i, t in enumerate(body.tools)
     ]
+    choice = _tool_choice(body.tool_choice)
+    formatted = body.response_format is not None and body.response_format.type != "text"
+    if formatted and choice.mode is not Mode.NONE:
+        raise invalid("response_format cannot be combined with tools unless tool_choice is none", "response_format")
     try:
-        plan = plan_tools(fmt, model, tools, _tool_choice(body.tool_choice), body.parallel_tool_calls)
+        plan = plan_tools(fmt, model, tools, choice, body.parallel_tool_calls)
     except ToolError as exc:
         raise invalid(str(exc), exc.param) from exc
-    if plan is not None and body.response_format is not None and body.response_format.type != "text":
-        raise invalid("response_format cannot be combined with tools unless tool_choice is none", "response_format")
-    return plan
+    return None if formatted else plan  # tool_choice none: the response_format grammar shapes the reply
 
 
 def _tool_choice(choice: ToolChoiceField | None) -> ToolChoice:

@@ -63,6 +63,7 @@ def tool_grammar(fmt: ToolFormat, tools: list[FunctionTool], *, required: bool, 
         rules, reply = _converted(tools, fmt.arguments_key, "reply",
                                   lambda call: _generic_reply(call, required, parallel))
         return ToolGrammar(f"root ::= {reply}\n{rules}")
+    assert tools, "a format with call syntax needs a tool to call"
     rules, call = _converted(tools, fmt.arguments_key, "call", lambda call: call)
     gbnf = f"root ::= {_wrapped_root(fmt, call, parallel)}\n{_WS_RULE}\n{rules}"
     if required:
@@ -71,7 +72,7 @@ def tool_grammar(fmt: ToolFormat, tools: list[FunctionTool], *, required: bool, 
 
 
 def _converted(tools: list[FunctionTool], arguments_key: str, top: str,
-               wrap: Callable[[dict], dict]) -> tuple[str, str]:
+               wrap: Callable[[dict | None], dict]) -> tuple[str, str]:
     """The converter's rules for `wrap(one call object)` and the name of its top rule (`top`, or
     a variant of it)."""
     converter = SchemaConverter(prop_order={"name": 0, arguments_key: 1}, allow_fetch=False, dotall=False,
@@ -82,18 +83,20 @@ def _converted(tools: list[FunctionTool], arguments_key: str, top: str,
         parameters = converter.resolve_refs(_namespaced(tool.parameters, f"t{i}-"), f"tool{i}")
         calls.append({"type": "object", "properties": {"name": {"const": tool.name}, arguments_key: parameters},
                       "required": ["name", arguments_key]})
-    top = converter.visit(wrap(calls[0] if len(calls) == 1 else {"anyOf": calls}), top)
+    call = (calls[0] if len(calls) == 1 else {"anyOf": calls}) if calls else None
+    top = converter.visit(wrap(call), top)
     return _JSON_CHAR.sub(lambda _: _STRICT_JSON_CHAR, converter.format_grammar()), top
 
 
-def _generic_reply(call: dict, required: bool, parallel: bool) -> dict:
-    """`{"tool_calls": [call, ...]}`, or (unless required) `{"response": "..."}`."""
+def _generic_reply(call: dict | None, required: bool, parallel: bool) -> dict:
+    """`{"tool_calls": [call, ...]}` (unless no tool may be called), or (unless required)
+    `{"response": "..."}`."""
+    answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
+    if call is None:
+        return answer
     calls = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
     with_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]}
-    if required:
-        return with_calls
-    answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
-    return {"anyOf": [with_calls, answer]}
+    return with_calls if required else {"anyOf": [with_calls, answer]}
 
 
 def _namespaced(schema: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -58,9 +58,8 @@ def _tool_aware_message(fmt: ToolFormat, turn: ChatTurn, names: dict[str, str]) 
 
 def _generic_message(turn: ChatTurn, names: dict[str, str]) -> dict[str, Any]:
     if turn.role == "tool":
-        result = {"tool_call_id": turn.tool_call_id, "name": names.get(turn.tool_call_id or ""),
-                  "content": turn.content}
-        return {"role": "user", "content": json.dumps({"tool_response": result}, ensure_ascii=False)}
+        name = names.get(turn.tool_call_id or "", "a tool")
+        return {"role": "user", "content": f"Result of {name} (call {turn.tool_call_id}):\n{turn.content}"}
     if turn.tool_calls:
         calls = [{"name": c.name, "arguments": _arguments(c.arguments)} for c in turn.tool_calls]
         written = json.dumps({"tool_calls": calls}, ensure_ascii=False)

@@ -70,13 +70,15 @@ def check_tools(tools: list[FunctionTool], choice: ToolChoice) -> None:
 
 def plan_tools(fmt: ToolFormat, model: Model, tools: list[FunctionTool], choice: ToolChoice,
                parallel: bool = True) -> ToolPlan | None:
-    """The plan for a request with `tools`; None when the choice is `none` (the tools stay unseen).
-    Raises ToolError for tools or a choice that cannot be served."""
+    """The plan for a request with `tools`. With the choice `none` the tools stay unseen: there is
+    no plan, except in the generic mode, whose replies keep their JSON shape (an answer only), the
+    shape the conversation so far has shown the model. Raises ToolError for tools or a choice that
+    cannot be served."""
     check_tools(tools, choice)
-    if choice.mode is Mode.NONE:
+    if choice.mode is Mode.NONE and fmt is not ToolFormat.GENERIC:
         return None
     allowed = set(choice.allowed) if choice.allowed is not None else None
-    callable_tools = tuple(t for t in tools if allowed is None or t.name in allowed)
+    callable_tools = tuple(t for t in tools if choice.mode is not Mode.NONE and (allowed is None or t.name in allowed))
     grammar = tool_grammar(fmt, list(callable_tools), required=choice.mode is Mode.REQUIRED, parallel=parallel,
                            opening_token=_single_token(model, fmt.opening))
     return ToolPlan(fmt, tuple(tools), callable_tools, choice, parallel, grammar)
@@ -91,6 +93,8 @@ def _single_token(model: Model, text: str | None) -> int | None:
 
 
 def generic_system_prompt(plan: ToolPlan) -> str:
+    if not plan.callable:
+        return 'Reply with one JSON object: {"response": "<your answer>"}'
     described = [{"name": t.name, **({"description": t.description} if t.description else {}),
                   "parameters": t.parameters} for t in plan.tools]
     call = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}'
@@ -102,6 +106,7 @@ def generic_system_prompt(plan: ToolPlan) -> str:
     else:
         lines.append(f'Reply with one JSON object: {call} to call tools, or {{"response": "<your answer>"}} '
                      "to answer directly.")
-    lines.append("Call tools one at a time." if not plan.parallel else
-                 "List several calls to make them at once. Tool results come back as tool_response objects.")
+    lines.append("Call tools one at a time." if not plan.parallel else "List several calls to make them at once.")
+    lines.append('Tool results come back as user messages. When they answer the question, reply with '
+                 '{"response": "<your answer>"}.')
     return "\n".join(lines)
