@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import pytest
 from agents import (
@@ -21,6 +21,7 @@ from agents import (
     AgentHooks,
     ModelSettings,
     OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
     RunContextWrapper,
     Runner,
     Tool,
@@ -53,7 +54,7 @@ class Steps(AgentHooks):
         agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice=following)
 
 
-def weather_agent(base_url: str, calls: list[tuple[str, Any]]) -> Agent:
+def weather_agent(base_url: str, calls: list[tuple[str, Any]], api: Literal["chat", "responses"] = "chat") -> Agent:
     @function_tool
     def get_weather(city: str) -> str:
         """The current weather in a city, in degrees Celsius."""
@@ -68,11 +69,12 @@ def weather_agent(base_url: str, calls: list[tuple[str, Any]]) -> Agent:
 
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     order = ["get_weather", "to_fahrenheit"]
+    model = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
     return Agent(
         name="weather",
         instructions="You answer questions about the weather in Fahrenheit. Use the tools.",
         tools=[get_weather, to_fahrenheit],
-        model=OpenAIChatCompletionsModel(model="smollm2", openai_client=client),
+        model=model(model="smollm2", openai_client=client),
         model_settings=ModelSettings(tool_choice=order[0], parallel_tool_calls=False, temperature=0, max_tokens=120),
         reset_tool_choice=False,  # Steps decides the next choice
         hooks=Steps(order),

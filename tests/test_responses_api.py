@@ -21,6 +21,7 @@ from kvserve.scheduler.request import Delta, RequestOutput
 from kvserve.server.responses_api.bodies import ResponseHead
 from kvserve.server.responses_api.events import ResponseEvents
 from kvserve.server.responses_api.schemas import CreateResponse
+from kvserve.server.responses_api.to_chat import chat_request
 from test_openai_api import assert_openai_error
 
 MODEL = "smollm2"
@@ -150,6 +151,14 @@ def test_instructions_are_the_system_message(client: openai.OpenAI, base_url: st
     assert r["usage"]["input_tokens"] == chat.usage.prompt_tokens and text_of(r) == chat.choices[0].message.content
 
 
+def test_penalties_are_served_as_in_chat(base_url: str) -> None:
+    poem, penalties = "Write a poem about the sea.", {"frequency_penalty": 1.5, "presence_penalty": 1.0}
+    chat = chat_request(CreateResponse(input=poem, **penalties), [])
+    assert (chat.frequency_penalty, chat.presence_penalty) == (1.5, 1.0)
+    penalized = create(base_url, input=poem, temperature=0, max_output_tokens=24, **penalties)
+    assert text_of(penalized) != text_of(create(base_url, input=poem, temperature=0, max_output_tokens=24))
+
+
 def test_logprobs_on_request(base_url: str) -> None:
     r = create(base_url, input=QUESTION, temperature=0, max_output_tokens=5,
                include=["message.output_text.logprobs"], top_logprobs=2)
@@ -181,9 +190,9 @@ def test_a_failure_mid_stream_closes_the_item_then_fails_the_response() -> None:
         "response.output_text.delta", "response.output_text.done", "response.content_part.done",
         "response.output_item.done", "response.failed"]
     failed = sent[-1]["response"]
-    assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": "llama_decode failed"}
-    assert failed["output"][0]["status"] == "incomplete" and text_of(failed) == "Hel" == events.final["output"][0][
-        "content"][0]["text"]
+    assert failed == events.final and failed["status"] == "failed"
+    assert failed["error"] == {"code": "server_error", "message": "llama_decode failed"}
+    assert failed["output"][0]["status"] == "incomplete" and text_of(failed) == "Hel"
 
 
 # --- continuations and the store ----------------------------------------------------------------

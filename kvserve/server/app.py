@@ -119,8 +119,9 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.api_keys = bearer_values(settings.api_keys())
     app.state.draining = False
     app.state.started = int(time.time())
-    app.state.response_store = ResponseStore(settings.response_store_count, int(settings.response_store_mb * 1024 * 1024),
-                                             settings.response_store_ttl)
+    app.state.response_store = ResponseStore(
+        settings.response_store_count, int(settings.response_store_mb * 1024 * 1024), settings.response_store_ttl
+    )
     app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times,
                                 settings)
     install_error_handlers(app)
@@ -128,8 +129,9 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(public)
     app.include_router(api)
     app.include_router(responses_api.router, dependencies=[Depends(require_key)], responses=error_responses(401))
-    app.include_router(cache_routes.router, dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
-    app.include_router(worker_routes.router, dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
+    guarded = dict(dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
+    app.include_router(cache_routes.router, **guarded)
+    app.include_router(worker_routes.router, **guarded)
     # Outermost first: the request id is set before anything can log or answer.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     app.add_middleware(RequestId)

@@ -27,7 +27,8 @@ class RefusalContent(_Body):
     refusal: str
 
 
-def _tagged(*kinds: tuple[type[_Body], tuple[str | None, ...]], refusal: str, strings: str | None = None) -> Discriminator:
+def _tagged(*kinds: tuple[type[_Body], tuple[str | None, ...]], refusal: str,
+            strings: str | None = None) -> Discriminator:
     """A discriminator on `type` whose tags are the models' names (which error params leave out)
     and whose error for any other type is `refusal`. A `None` type value stands for a missing type;
     a string value gets the tag `strings`."""
@@ -174,6 +175,9 @@ class CreateResponse(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Not OpenAI's Responses fields, but chat's, as vLLM accepts them here too: small models loop.
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     include: list[Includable] | None = None
     text: TextConfig = Field(default_factory=TextConfig)
     tools: list[FunctionTool] = Field(default_factory=list)

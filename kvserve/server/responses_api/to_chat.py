@@ -37,6 +37,8 @@ def chat_request(body: CreateResponse, history: list[InputItem]) -> ChatCompleti
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
         "logprobs": body.wants_logprobs,
         "top_logprobs": body.top_logprobs,
         "response_format": _response_format(body.text.format),
