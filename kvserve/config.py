@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     max_queue: int = Field(512, ge=0, description="requests that may wait beyond --parallel running ones; more get 429")
     queue_timeout: float = Field(600.0, ge=0, description="seconds a request may wait for a slot before a 503 (0: forever)")
     drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests finish")
+    stall_seconds: float = Field(
+        30.0, gt=0, description="seconds of no engine progress, with requests in flight, before a stall is logged"
+    )
     max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
     metrics_compat: Literal["vllm"] | None = Field(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from kvserve.cache.kv_pool import KvPool
@@ -13,6 +14,19 @@ from kvserve.llama.context import MAX_SEQUENCES, Context, ContextParams
 from kvserve.llama.model import Model
 from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+_log = logging.getLogger("kvserve.engine")
+
+
+def _cache_cells(asked: int, n_ctx: int) -> int:
+    """The page cache may keep at most half the context: a cache that can fill it leaves running
+    requests room only by evicting at every step."""
+    most = n_ctx // 2
+    if asked > most:
+        _log.warning("--prefix-cache-cells %d is more than half of the %d-cell context; the cache keeps at most %d",
+                     asked, n_ctx, most)
+        return most
+    return asked
 
 
 @dataclass
@@ -52,7 +66,7 @@ class Engine:
         if caching and model.info.carries_state:
             StateCache(pool, settings.prefix_state_mb * 1024 * 1024, settings.prefix_states)
         elif caching:
-            PrefixCache(pool, settings.prefix_cache_cells)
+            PrefixCache(pool, _cache_cells(settings.prefix_cache_cells, ctx.n_ctx))
         config = SchedulerConfig(
             max_running=settings.parallel,
             token_budget=settings.batch_size,
@@ -60,7 +74,7 @@ class Engine:
             queue_timeout=settings.queue_timeout,
         )
         scheduler = Scheduler(pool, config)
-        async_engine = AsyncEngine(scheduler, settings.max_queue)
+        async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
         return cls(settings, model, ChatTemplate.from_model(model), pool, scheduler, async_engine)
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ class Request:
     admitted_at: float | None = None
     passed_over: int = 0  # times cache-aware admission chose another request first
     checkpoints: dict[int, bool] = field(default_factory=dict)  # stops worth a state: position -> opening
+    blocked_on: str = "its turn in the queue"  # why admission last passed it over (for stall reports)
 
     @property
     def finished(self) -> bool:
@@ -51,6 +52,10 @@ class Choice:
 
     `tokens` is prompt + generated; `session.tokens` is what sits in the KV cache. The difference
     is what the next steps feed: a prompt tail while prefilling, the one sampled token while decoding.
+
+    The choice owns its `sampler` (a native llama.cpp chain) from creation until `end`, which every
+    way a choice can stop goes through; a preempted choice keeps it, so penalties and grammar state
+    carry over when it resumes.
     """
 
     index: int
@@ -67,6 +72,11 @@ class Choice:
     @property
     def unevaluated(self) -> int:
         return len(self.tokens) - (self.session.n_past if self.session else 0)
+
+    def end(self, reason: FinishReason | None) -> None:
+        """Mark the choice finished and free its sampler chain (it samples nothing more)."""
+        self.finish_reason = reason
+        self.sampler.close()
 
 
 @dataclass

@@ -24,7 +24,7 @@ from kvserve.cache.state_cache import StateCache
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import DecodeError, NoKvSlot
 from kvserve.llama.detokenizer import Detokenizer
-from kvserve.llama.sampler import Sampler, token_logprobs
+from kvserve.llama.sampler import Sampler, live_samplers, token_logprobs
 from kvserve.scheduler.request import Choice, Delta, FinishReason, Request, RequestOutput, Usage
 from kvserve.scheduler.snapshot import EngineSnapshot
 from kvserve.scheduler.stop_strings import StopMatcher
@@ -84,6 +84,7 @@ class Scheduler:
         self._aborts: deque[tuple[str, str | None]] = deque()
         self._batch = Batch(pool.ctx.n_batch)
         self.preemptions = 0
+        self.last_progress = time.monotonic()  # when a step last evaluated tokens or ended a request
         self.snapshot = EngineSnapshot(kv_cells=pool.n_cells, free_seq_ids=pool.free_ids)
 
     # -- called from any thread --------------------------------------------------------------------
@@ -120,6 +121,8 @@ class Scheduler:
         except Exception:  # a bug must not hang every client: fail what is in flight, keep serving
             _log.exception("engine step failed; failing the requests in flight")
             self._fail({*self.running, *self.waiting}, "internal engine error", outputs)
+        if outputs or not self.has_work():
+            self.last_progress = time.monotonic()
         self.times.steps += 1
         self.times.step_seconds += time.perf_counter() - started
         self.snapshot = self._take_snapshot()
@@ -146,6 +149,7 @@ class Scheduler:
             state_hits=states.stats.state_hits if states else 0,
             state_evictions=states.stats.state_evictions if states else 0,
             preemptions=self.preemptions,
+            live_samplers=live_samplers(),
         )
 
     def _take_inbox(self, outputs: dict[str, RequestOutput]) -> None:
@@ -179,11 +183,17 @@ class Scheduler:
         cache = self.pool.cache
         for request in self._admission_order():
             if self._running_choices() + self._active(request) > self.config.max_running:
+                request.blocked_on = "a free slot"
                 break
             cached = cache.match_len(request.prompt) if cache is not None else 0
             if self._waits_for_a_running_prefill(request, cached):
+                request.blocked_on = "a running prefill of the same prefix to donate it"
                 continue
-            if not self._fits(request, cached, outputs) or not self._start(request):
+            if not self._fits(request, cached, outputs):
+                request.blocked_on = f"KV cells for {len(request.prompt) - cached} prompt tokens"
+                break
+            if not self._start(request):
+                request.blocked_on = "a free sequence id"
                 break
             self.waiting.remove(request)
             self.running.append(request)
@@ -226,13 +236,14 @@ class Scheduler:
         return sum(c.finish_reason is None for c in request.choices) if request.choices else request.n
 
     def _fits(self, request: Request, cached: int, outputs: dict[str, RequestOutput]) -> bool:
-        """Room for the uncached prompt now; a prompt too big even for an empty context is failed."""
-        if self.pool.make_room(len(request.prompt) - cached + request.n):
+        """Room for the uncached prompt on top of what running requests have still to prefill (so a
+        new prompt cannot take the cells an admitted one needs); a prompt too big even for an empty
+        context is failed."""
+        if self.pool.make_room(self._unevaluated_tokens() + len(request.prompt) - cached + request.n):
             return True
         if not self.running:
-            self.waiting.remove(request)
-            outputs[request.id] = RequestOutput(request.id, [], error="the prompt does not fit in the KV cache",
-                                                status=400)
+            self._finish(request, FinishReason.ERROR, outputs, error="the prompt does not fit in the KV cache",
+                         status=400)
         return False
 
     def _start(self, request: Request) -> bool:
@@ -265,6 +276,10 @@ class Scheduler:
                 }
         return True
 
+    def _unevaluated_tokens(self) -> int:
+        return sum(c.unevaluated for r in self.running for c in r.choices
+                   if c.finish_reason is None and not c.waits_for_fork)
+
     def _new_choice(self, request: Request, index: int) -> Choice:
         return Choice(
             index=index,
@@ -277,20 +292,27 @@ class Scheduler:
     # -- planning the batch ---------------------------------------------------------------------------
 
     def _plan(self, outputs: dict[str, RequestOutput]) -> list[_Slot]:
-        """Decode tokens first, then prompt chunks in admission order, within budget and free cells."""
+        """Decode tokens first, then prompt chunks in admission order, within budget and free cells
+        (cold cache pages are evicted for either). A step in which nothing could move sheds the newest
+        request, so running requests never wait on cells that only an idle cache or a later request holds."""
         decoding, prefilling = self._resident_slots()
         while decoding and not self.pool.make_room(len(decoding)):
             self._shed_load(outputs)
             decoding, prefilling = self._resident_slots()
         slots = decoding
-        budget = self.config.token_budget - len(decoding)
+        planned = len(decoding)
+        budget = self.config.token_budget - planned
         for slot in prefilling:
-            room = self.pool.free_cells - sum(s.n_tokens for s in slots)
-            slot.n_tokens = min(slot.choice.unevaluated, budget, room, self._to_next_checkpoint(slot))
+            wanted = min(slot.choice.unevaluated, budget, self._to_next_checkpoint(slot))
+            self.pool.make_room(planned + wanted)
+            slot.n_tokens = min(wanted, self.pool.free_cells - planned)
             if slot.n_tokens <= 0:
                 break
             slots.append(slot)
             budget -= slot.n_tokens
+            planned += slot.n_tokens
+        if not slots and prefilling:
+            self._shed_load(outputs)
         return slots
 
     @staticmethod
@@ -349,6 +371,7 @@ class Scheduler:
             return
         finally:
             self.times.decode_seconds += time.perf_counter() - started
+        self.last_progress = time.monotonic()
         for slot in slots:
             session = slot.choice.session
             session.tokens.extend(slot.choice.tokens[session.n_past : session.n_past + slot.n_tokens])
@@ -399,7 +422,8 @@ class Scheduler:
         delta.token_ids.append(token)
         delta.text += choice.stop.feed(choice.detokenizer.feed(token))
         if choice.stop.stopped:
-            choice.finish_reason = delta.finish_reason = FinishReason.STOP
+            choice.end(FinishReason.STOP)
+            delta.finish_reason = FinishReason.STOP
         elif choice.n_generated >= request.max_tokens or len(choice.tokens) >= self.config.max_seq_len:
             self._close_choice(choice, FinishReason.LENGTH, delta)
 
@@ -407,7 +431,8 @@ class Scheduler:
     def _close_choice(choice: Choice, reason: FinishReason, delta: Delta) -> None:
         """End a choice normally: text held back for a possible stop string or a split character is real."""
         delta.text += choice.stop.feed(choice.detokenizer.flush()) + choice.stop.flush()
-        choice.finish_reason = delta.finish_reason = reason
+        choice.end(reason)
+        delta.finish_reason = reason
 
     @staticmethod
     def _delta(outputs: dict[str, RequestOutput], request: Request, choice: Choice) -> Delta:
@@ -425,7 +450,7 @@ class Scheduler:
         """Close every open choice with `reason`, give the sequences back, emit usage (or the error)."""
         for choice in request.choices:
             if choice.finish_reason is None:
-                choice.finish_reason = reason
+                choice.end(reason)
                 self._delta(outputs, request, choice).finish_reason = reason
         self._release(request, donate=reason is not FinishReason.ERROR)
         if request in self.running:
@@ -454,10 +479,29 @@ class Scheduler:
             choice.session = None
             choice.forked = False
 
+    def describe(self) -> str:
+        """The scheduler's state in one line, for a stall report: what runs, what waits and on what."""
+        now = time.monotonic()
+        slots_full = self._running_choices() >= self.config.max_running
+        running = ", ".join(
+            f"{r.id} ({sum(c.session.n_past for c in r.choices if c.session)}/{len(r.prompt)} prompt tokens in cache)"
+            for r in self.running[:8]
+        )
+        waiting = ", ".join(
+            f"{r.id} waits {now - r.arrival:.0f}s for {'a free slot' if slots_full else r.blocked_on}"
+            for r in list(self.waiting)[:8]
+        )
+        return (f"running {len(self.running)} [{running}]; waiting {self.n_waiting} [{waiting}]; "
+                f"cells free {self.pool.free_cells} of {self.pool.n_cells}; "
+                f"held pages {self.pool.cache.held_pages if self.pool.cache is not None else 0}; "
+                f"free sequence ids {self.pool.free_ids}")
+
     def release_all(self) -> None:
-        """Give back every sequence without donating (shutdown)."""
+        """Give back every sequence without donating, and every sampler chain (shutdown)."""
         for request in [*self.running, *self.waiting]:
             self._release(request, donate=False)
+            for choice in request.choices:
+                choice.end(choice.finish_reason or FinishReason.ABORT)
         self.running.clear()
         self.waiting.clear()
 

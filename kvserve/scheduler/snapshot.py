@@ -23,6 +23,7 @@ class EngineSnapshot:
     state_hits: int = 0
     state_evictions: int = 0
     preemptions: int = 0
+    live_samplers: int = 0  # native sampler chains not yet freed: 0 whenever no request is open
 
     @property
     def kv_usage(self) -> float:

@@ -208,7 +208,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.draining = False
     app.state.started = int(time.time())
     app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times,
-                                settings)
+                                lambda: app.state.engine.async_engine, settings)
     install_error_handlers(app)
     _document_400s_not_422s(app)
     app.include_router(public)

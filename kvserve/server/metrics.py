@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvserve.config import Settings
+from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.request import RequestOutput
 from kvserve.scheduler.scheduler import StepTimes
 from kvserve.scheduler.snapshot import EngineSnapshot
@@ -20,15 +21,29 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes],
+                 queue: Callable[[], AsyncEngine]) -> None:
         self._snapshot = snapshot
         self._times = times
+        self._queue = queue
 
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
         t = self._times()
         yield GaugeMetricFamily("kvserve_requests_running", "Requests with sequences in the KV cache", s.running)
         yield GaugeMetricFamily("kvserve_requests_waiting", "Requests waiting for admission", s.waiting)
+        queue = self._queue()
+        yield GaugeMetricFamily(
+            "kvserve_oldest_waiting_seconds", "Age of the oldest request not yet admitted (0: none waits)",
+            queue.oldest_waiting_seconds(),
+        )
+        yield CounterMetricFamily(
+            "kvserve_engine_stalls", "Times the engine had work and made no progress for --stall-seconds",
+            queue.stall_watch.stalls,
+        )
+        yield GaugeMetricFamily(
+            "kvserve_live_sampler_chains", "llama.cpp sampler chains allocated and not yet freed", s.live_samplers
+        )
         yield GaugeMetricFamily(
             "kvserve_kv_cache_usage_ratio", "Share of KV cells in use (shared pages count once)", s.kv_usage
         )
@@ -89,7 +104,7 @@ class _VllmCollector(Collector):
 
 class Metrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes],
-                 settings: Settings) -> None:
+                 queue: Callable[[], AsyncEngine], settings: Settings) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -113,7 +128,8 @@ class Metrics:
             "kvserve_request_rejected", "Requests refused for load: queue full (429), queue timeout or shutdown (503)",
             ["status"], registry=r,
         )
-        r.register(_EngineCollector(snapshot, times))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: the memory a soak watches
+        r.register(_EngineCollector(snapshot, times, queue))
         if settings.metrics_compat == "vllm":
             r.register(_VllmCollector(snapshot, settings.served_name))
 
