@@ -63,7 +63,7 @@ def test_stopped_by_a_stop_string(tiny_engine: Engine) -> None:
     stop = text[len(text) // 3: len(text) // 3 + 3]
     assert stop.strip(), text
     request = Request(id="stop", prompt=prompt(e), params=SamplingParams(temperature=0.0), max_tokens=200, n=2,
-                      stop=[stop])
+                      stop_strings=[stop])
     run(e, [request])
     assert [c.finish_reason for c in request.choices] == [FinishReason.STOP] * 2
     assert all(c.n_generated < 12 for c in request.choices)

@@ -25,10 +25,10 @@ def test_soak_leaks_nothing(tiny) -> None:
 
         assert engine_idle(app)
         pool = app.state.engine.pool
-        cache = pool.cache
+        cache = app.state.engine.cache
         assert pool.sessions == []
         assert live_samplers() == 0
-        holders = _holder_seqs(pool)
+        holders = _holder_seqs(cache)
         assert pool.free_ids == pool.ctx.n_seq_max - len(holders)
         assert all(pool.ctx.seq_pos_max(s) == -1 for s in range(pool.ctx.n_seq_max) if s not in holders)
         assert pool.used_cells == cache.held_pages * PAGE

@@ -23,7 +23,7 @@ from kvserve.llama.batch import Batch
 
 def test_two_prompts_admitted_into_a_full_cache_both_finish(tiny) -> None:
     with engine(tiny("llama"), ctx_size=256, batch_size=256) as e:
-        e.pool.cache.max_cells = e.pool.n_cells  # as before the clamp: the scheduler must not rely on it
+        e.cache.max_cells = e.pool.n_cells  # as before the clamp: the scheduler must not rely on it
         for i in range(6):  # unique histories the cache keeps
             run(e, [greedy([1] + [(7 * i + j) % 200 + 3 for j in range(40)], max_tokens=2)])
         assert e.pool.free_cells < 100
@@ -34,7 +34,7 @@ def test_two_prompts_admitted_into_a_full_cache_both_finish(tiny) -> None:
 
 def test_prefix_cache_cells_past_half_the_context_are_clamped(tiny, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, "kvserve.engine"), engine(tiny("llama"), ctx_size=512) as e:
-        assert e.pool.cache.max_cells == 256
+        assert e.cache.max_cells == 256
     assert "keeps at most 256" in caplog.text
 
 

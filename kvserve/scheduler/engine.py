@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvserve.cache.kv_pool import KvPool
+from kvserve.cache.kv_pool import KvPool, SeqIds
+from kvserve.cache.no_cache import NoCache
+from kvserve.cache.page_cache import PageCache
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.state_cache import StateCache
 from kvserve.config import Settings
@@ -29,12 +31,21 @@ def _cache_cells(asked: int, n_ctx: int) -> int:
     return asked
 
 
+def _prefix_cache(settings: Settings, ctx: Context, ids: SeqIds) -> PrefixCache:
+    if not settings.prefix_cache:
+        return NoCache()
+    if ctx.model.info.carries_state:
+        return StateCache(ctx, ids, settings.page_rows, settings.prefix_state_mb * 1024 * 1024, settings.prefix_states)
+    return PageCache(ctx, ids, settings.page_rows, _cache_cells(settings.prefix_cache_cells, ctx.n_ctx))
+
+
 @dataclass
 class Engine:
     settings: Settings
     model: Model
     template: ChatTemplate
     pool: KvPool
+    cache: PrefixCache
     scheduler: Scheduler
     async_engine: AsyncEngine
 
@@ -62,25 +73,22 @@ class Engine:
             n_threads=settings.threads,
         )
         ctx = Context(model, params)
-        pool = KvPool(ctx, settings.page_rows)
-        if caching and model.info.carries_state:
-            StateCache(pool, settings.prefix_state_mb * 1024 * 1024, settings.prefix_states)
-        elif caching:
-            PrefixCache(pool, _cache_cells(settings.prefix_cache_cells, ctx.n_ctx))
+        ids = SeqIds(ctx.n_seq_max)
+        cache = _prefix_cache(settings, ctx, ids)
+        pool = KvPool(ctx, ids, cache)
         config = SchedulerConfig(
             max_running=settings.parallel,
             token_budget=settings.batch_size,
             max_seq_len=min(ctx.n_ctx, model.info.n_ctx_train or ctx.n_ctx),
             queue_timeout=settings.queue_timeout,
         )
-        scheduler = Scheduler(pool, config)
+        scheduler = Scheduler(pool, cache, config)
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
-        return cls(settings, model, ChatTemplate.from_model(model), pool, scheduler, async_engine)
+        return cls(settings, model, ChatTemplate.from_model(model), pool, cache, scheduler, async_engine)
 
     def close(self) -> None:
         """Release the cache, then the context, then the model (the reverse of `load`)."""
         self.scheduler.release_all()
-        if self.pool.cache is not None:
-            self.pool.cache.release()
+        self.cache.release()
         self.pool.close()
         self.model.close()

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.cache.chat_marks import Mark, MarkKind
 from kvserve.cache.kv_pool import Session
 from kvserve.llama.detokenizer import Detokenizer
 from kvserve.llama.sampler import Sampler, SamplingParams, TokenLogprobs
@@ -28,17 +29,17 @@ class Request:
     params: SamplingParams
     max_tokens: int
     n: int = 1
-    stop: list[str] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
     logprobs: int | None = None  # how many alternatives per token; None: no logprobs at all
     ignore_eos: bool = False  # generate max_tokens regardless (benchmarks)
-    stops: list[tuple[int, bool]] = field(default_factory=list)  # chat marks: (position, is_opening)
+    marks: list[Mark] = field(default_factory=list)  # where a chat prompt's prefill may stop for a checkpoint
     arrival: float = field(default_factory=time.monotonic)
 
     choices: list["Choice"] = field(default_factory=list)
     cached_tokens: int = 0
     admitted_at: float | None = None
     passed_over: int = 0  # times cache-aware admission chose another request first
-    checkpoints: dict[int, bool] = field(default_factory=dict)  # stops worth a state: position -> opening
+    checkpoints: dict[int, MarkKind] = field(default_factory=dict)  # the marks worth a state, by position
     blocked_on: str = "its turn in the queue"  # why admission last passed it over (for stall reports)
 
     @property
@@ -62,7 +63,7 @@ class Choice:
     tokens: list[int]
     sampler: Sampler
     detokenizer: Detokenizer
-    stop: StopMatcher
+    stop_matcher: StopMatcher
     session: Session | None = None
     waits_for_fork: bool = False  # a sibling of choice 0 that will share its prompt
     forked: bool = False  # it shares choice 0's prompt cells, so it never donates them

@@ -7,7 +7,7 @@ threads hand it work through `submit` and `abort`, which only append to thread-s
 Invariants:
 - a sequence's session holds exactly the tokens llama.cpp has for its seq id;
 - every admitted request ends with exactly one output carrying `usage` (or `error`), and its
-  sessions are released (donated first, when a prefix cache is on);
+  sessions are released (donated to the prefix cache first);
 - a batch never exceeds the token budget, never outruns free KV cells (the cache evicts, then
   the newest running request is preempted), and never repeats a sequence twice.
 """
@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvserve.cache.kv_pool import KvPool, PoolExhausted
-from kvserve.cache.state_cache import StateCache
+from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import DecodeError, NoKvSlot
 from kvserve.llama.detokenizer import Detokenizer
@@ -73,8 +73,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: KvPool, config: SchedulerConfig) -> None:
+    def __init__(self, pool: KvPool, cache: PrefixCache, config: SchedulerConfig) -> None:
         self.pool = pool
+        self.cache = cache
         self.config = config
         self.model = pool.ctx.model
         self.waiting: deque[Request] = deque()
@@ -129,25 +130,13 @@ class Scheduler:
         return list(outputs.values())
 
     def _take_snapshot(self) -> EngineSnapshot:
-        cache = self.pool.cache
-        stats = cache.stats if cache is not None else None
-        states = cache if isinstance(cache, StateCache) else None
-        openings = sum(c.opening for c in states.checkpoints) if states else 0
         return EngineSnapshot(
             running=len(self.running),
             waiting=self.n_waiting,
             kv_cells=self.pool.n_cells,
             kv_used=self.pool.used_cells,
-            held_pages=cache.held_pages if cache is not None else 0,
-            queried_tokens=stats.queried_tokens if stats else 0,
-            hit_tokens=stats.hit_tokens if stats else 0,
-            evicted_pages=stats.evicted_pages if stats else 0,
             free_seq_ids=self.pool.free_ids,
-            state_bytes=states.bytes_used if states else 0,
-            opening_checkpoints=openings,
-            conversation_checkpoints=len(states.checkpoints) - openings if states else 0,
-            state_hits=states.stats.state_hits if states else 0,
-            state_evictions=states.stats.state_evictions if states else 0,
+            cache=self.cache.stats(),
             preemptions=self.preemptions,
             live_samplers=live_samplers(),
         )
@@ -180,12 +169,11 @@ class Scheduler:
         if self._running_choices() >= self.config.max_running:
             return  # no slot: skip ranking the queue, which costs a cache lookup per waiting request
         admitted: list[Request] = []
-        cache = self.pool.cache
         for request in self._admission_order():
             if self._running_choices() + self._active(request) > self.config.max_running:
                 request.blocked_on = "a free slot"
                 break
-            cached = cache.match_len(request.prompt) if cache is not None else 0
+            cached = self.cache.match_len(request.prompt)
             if self._waits_for_a_running_prefill(request, cached):
                 request.blocked_on = "a running prefill of the same prefix to donate it"
                 continue
@@ -207,24 +195,21 @@ class Scheduler:
     def _admission_order(self) -> list[Request]:
         """Longest cached prefix first among the head of the queue; a request passed over too often
         goes first regardless, so nothing starves."""
-        cache = self.pool.cache
         window = list(self.waiting)[:ADMISSION_WINDOW]
-        if cache is None or not window:
+        if not window:
             return window
         starved = [r for r in window if r.passed_over >= STARVATION_LIMIT]
         rest = sorted((r for r in window if r.passed_over < STARVATION_LIMIT),
-                      key=lambda r: cache.match_len(r.prompt), reverse=True)  # stable: ties keep arrival order
+                      key=lambda r: self.cache.match_len(r.prompt), reverse=True)  # stable: ties keep arrival order
         return starved + rest
 
     def _waits_for_a_running_prefill(self, request: Request, cached: int) -> bool:
         """A request whose prompt shares more than a page beyond what is cached with a prompt being
         prefilled right now waits for that prefill to donate, instead of computing the same prefix."""
-        if self.pool.cache is None:
-            return False
         for other in self.running:
             first = other.choices[0]
             if first.session is not None and first.session.n_past < len(other.prompt):
-                if _common_prefix(request.prompt, other.prompt) >= cached + 2 * self.pool.page_rows:
+                if self.cache.gains_from_waiting(_common_prefix(request.prompt, other.prompt), cached):
                     return True
         return False
 
@@ -263,17 +248,15 @@ class Scheduler:
             for sibling in active[1:]:
                 sibling.waits_for_fork = True
             active = active[:1]
-        cache = self.pool.cache
-        if cache is not None:
-            for choice in active:
-                attached = cache.attach(choice.session, choice.tokens)
-                request.cached_tokens = max(request.cached_tokens, min(attached, len(request.prompt)))
-            if first_time and isinstance(cache, StateCache):
-                session = active[0].session
-                request.checkpoints = {
-                    position: opening for position, opening in request.stops
-                    if cache.checkpoint_at(session, request.prompt, session.n_past, position)
-                }
+        for choice in active:
+            attached = self.cache.attach(choice.session, choice.tokens)
+            request.cached_tokens = max(request.cached_tokens, min(attached, len(request.prompt)))
+        if first_time:
+            session = active[0].session
+            request.checkpoints = {
+                mark.position: mark.kind for mark in request.marks
+                if self.cache.checkpoint_at(session, request.prompt, session.n_past, mark.position)
+            }
         return True
 
     def _unevaluated_tokens(self) -> int:
@@ -286,7 +269,7 @@ class Scheduler:
             tokens=list(request.prompt),
             sampler=Sampler(self.model, request.params),
             detokenizer=Detokenizer(self.model),
-            stop=StopMatcher(request.stop),
+            stop_matcher=StopMatcher(request.stop_strings),
         )
 
     # -- planning the batch ---------------------------------------------------------------------------
@@ -375,16 +358,16 @@ class Scheduler:
         for slot in slots:
             session = slot.choice.session
             session.tokens.extend(slot.choice.tokens[session.n_past : session.n_past + slot.n_tokens])
-            self._checkpoint_if_at_stop(slot)
+            self._checkpoint_if_at_mark(slot)
         for slot in slots:
             if slot.logits_index is not None:
                 self._sample(slot.request, slot.choice, slot.logits_index, outputs)
 
-    def _checkpoint_if_at_stop(self, slot: _Slot) -> None:
+    def _checkpoint_if_at_mark(self, slot: _Slot) -> None:
         session = slot.choice.session
-        opening = slot.request.checkpoints.get(session.n_past) if slot.choice.index == 0 else None
-        if opening is not None:
-            self.pool.cache.insert(session, preview=self._preview(slot.request), opening=opening)
+        kind = slot.request.checkpoints.get(session.n_past) if slot.choice.index == 0 else None
+        if kind is not None:
+            self.cache.insert(session, session.tokens, preview=self._preview(slot.request), kind=kind)
 
     def _fail(self, requests: set[Request], message: str, outputs: dict[str, RequestOutput]) -> None:
         for request in requests:
@@ -393,11 +376,9 @@ class Scheduler:
     # -- sampling -------------------------------------------------------------------------------------
 
     def _sample(self, request: Request, choice: Choice, index: int, outputs: dict[str, RequestOutput]) -> None:
-        cache = self.pool.cache
-        if cache is not None and cache.donates_prompt and choice.session.n_past == len(request.prompt) \
-                and not choice.forked:
+        if self.cache.donates_prompt and choice.session.n_past == len(request.prompt) and not choice.forked:
             # Donate the prompt as soon as it is evaluated: requests waiting on this prefix attach it now.
-            cache.insert(choice.session, choice.session.tokens, preview=self._preview(request))
+            self.cache.insert(choice.session, choice.session.tokens, preview=self._preview(request))
         waiting_siblings = [c for c in request.choices if c.waits_for_fork]
         for sibling in waiting_siblings:  # the prompt is done: siblings share its cells from here
             self.pool.fork(choice.session, sibling.session)
@@ -420,8 +401,8 @@ class Scheduler:
         if request.logprobs is not None:
             delta.logprobs.append(token_logprobs(ctx.logits(index), token, request.logprobs))
         delta.token_ids.append(token)
-        delta.text += choice.stop.feed(choice.detokenizer.feed(token))
-        if choice.stop.stopped:
+        delta.text += choice.stop_matcher.feed(choice.detokenizer.feed(token))
+        if choice.stop_matcher.stopped:
             choice.end(FinishReason.STOP)
             delta.finish_reason = FinishReason.STOP
         elif choice.n_generated >= request.max_tokens or len(choice.tokens) >= self.config.max_seq_len:
@@ -430,7 +411,7 @@ class Scheduler:
     @staticmethod
     def _close_choice(choice: Choice, reason: FinishReason, delta: Delta) -> None:
         """End a choice normally: text held back for a possible stop string or a split character is real."""
-        delta.text += choice.stop.feed(choice.detokenizer.flush()) + choice.stop.flush()
+        delta.text += choice.stop_matcher.feed(choice.detokenizer.flush()) + choice.stop_matcher.flush()
         choice.end(reason)
         delta.finish_reason = reason
 
@@ -467,15 +448,15 @@ class Scheduler:
         )
 
     def _release(self, request: Request, donate: bool) -> None:
-        """Free every session of the request; with a cache, unforked ones donate what they evaluated
-        first. Forked siblings go first: their prompt cells are accounted to choice 0."""
+        """Free every session of the request; unforked ones first donate what they evaluated to the
+        cache. Forked siblings go first: their prompt cells are accounted to choice 0."""
         resident = [c for c in request.choices if c.session is not None]
         resident.sort(key=lambda c: not c.forked)
         for choice in resident:
             session = choice.session
-            if donate and self.pool.cache is not None and not choice.forked:
-                self.pool.cache.insert(session, session.tokens, preview=self._preview(request))
-            self.pool.release_kv_pages(session)
+            if donate and not choice.forked:
+                self.cache.insert(session, session.tokens, preview=self._preview(request))
+            self.pool.end_session(session)
             choice.session = None
             choice.forked = False
 
@@ -493,7 +474,7 @@ class Scheduler:
         )
         return (f"running {len(self.running)} [{running}]; waiting {self.n_waiting} [{waiting}]; "
                 f"cells free {self.pool.free_cells} of {self.pool.n_cells}; "
-                f"held pages {self.pool.cache.held_pages if self.pool.cache is not None else 0}; "
+                f"held pages {self.cache.stats().held_pages}; "
                 f"free sequence ids {self.pool.free_ids}")
 
     def release_all(self) -> None:

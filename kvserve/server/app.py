@@ -96,12 +96,12 @@ async def models(request: Request) -> dict:
 @api.post("/chat/completions", dependencies=[Depends(_accepting)], responses=_GENERATION)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
-    prompt, stops = await asyncio.to_thread(prompts.chat_prompt, engine.model, engine.template, body)
+    prompt, marks = await asyncio.to_thread(prompts.chat_prompt, engine.model, engine.template, body)
     grammar = prompts.grammar_for(body.response_format)
     params = prompts.sampling_params(engine.model, body, grammar)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     job = prompts.build_request(prompt, body, params, logprobs, engine.scheduler.config, "chatcmpl")
-    job.stops = stops
+    job.marks = marks
     return await _respond(request, engine, Shape(True, engine.settings.served_name, job), body.stream, body.stream_options)
 
 

@@ -47,26 +47,28 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "kvserve_kv_cache_usage_ratio", "Share of KV cells in use (shared pages count once)", s.kv_usage
         )
-        yield GaugeMetricFamily("kvserve_prefix_cache_held_pages", "Pages the prefix cache keeps", s.held_pages)
+        yield GaugeMetricFamily("kvserve_prefix_cache_held_pages", "Pages the prefix cache keeps", s.cache.held_pages)
         yield CounterMetricFamily(
-            "kvserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", s.queried_tokens
+            "kvserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", s.cache.queried_tokens
         )
         yield CounterMetricFamily(
-            "kvserve_prefix_cache_hit_tokens", "Prompt tokens attached from the prefix cache", s.hit_tokens
+            "kvserve_prefix_cache_hit_tokens", "Prompt tokens attached from the prefix cache", s.cache.hit_tokens
         )
         yield CounterMetricFamily(
-            "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.evicted_pages
+            "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.cache.evicted_pages
         )
-        yield GaugeMetricFamily("kvserve_prefix_state_bytes", "Bytes of recurrent checkpoint states", s.state_bytes)
+        yield GaugeMetricFamily(
+            "kvserve_prefix_state_bytes", "Bytes of recurrent checkpoint states", s.cache.state_bytes
+        )
         checkpoints = GaugeMetricFamily(
             "kvserve_prefix_state_checkpoints", "Recurrent checkpoints kept, by kind", labels=["kind"]
         )
-        checkpoints.add_metric(["opening"], s.opening_checkpoints)
-        checkpoints.add_metric(["conversation"], s.conversation_checkpoints)
+        checkpoints.add_metric(["opening"], s.cache.opening_checkpoints)
+        checkpoints.add_metric(["conversation"], s.cache.conversation_checkpoints)
         yield checkpoints
-        yield CounterMetricFamily("kvserve_prefix_state_hits", "Prompts restored from a checkpoint", s.state_hits)
+        yield CounterMetricFamily("kvserve_prefix_state_hits", "Prompts restored from a checkpoint", s.cache.state_hits)
         yield CounterMetricFamily(
-            "kvserve_prefix_state_evictions", "Checkpoints evicted to keep the budget", s.state_evictions
+            "kvserve_prefix_state_evictions", "Checkpoints evicted to keep the budget", s.cache.state_evictions
         )
         yield CounterMetricFamily(
             "kvserve_preemptions", "Running requests sent back to the queue for lack of KV cells", s.preemptions
@@ -94,8 +96,9 @@ class _VllmCollector(Collector):
             (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting for admission", s.waiting),
             (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", s.kv_usage),
             (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens queried in the prefix cache",
-             s.queried_tokens),
-            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.hit_tokens),
+             s.cache.queried_tokens),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             s.cache.hit_tokens),
         ):
             family = kind(name, doc, labels=["model_name"])
             family.add_metric(self._labels, value)

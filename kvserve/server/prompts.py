@@ -9,7 +9,7 @@ import uuid
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 from pydantic import ValidationError
 
-from kvserve.cache.chat_marks import mark_messages
+from kvserve.cache.chat_marks import Mark, mark_messages
 from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
@@ -26,12 +26,12 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     ]
 
 
-def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> tuple[list[int], list[tuple[int, bool]]]:
-    """The prompt tokens and, for a model that carries state, the stops worth a checkpoint."""
+def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> tuple[list[int], list[Mark]]:
+    """The prompt tokens and, for a model that carries state, the marks worth a checkpoint."""
     try:
         if model.info.carries_state:
             turn = mark_messages(model, template, chat_messages(body))
-            return turn.tokens, turn.stops()
+            return turn.tokens, turn.checkpoint_marks()
         return text_tokens(model, template.render(chat_messages(body)), template.bos_token), []
     except ChatTemplateError as exc:
         raise invalid(str(exc), "messages") from exc
@@ -143,7 +143,7 @@ def build_request(
         params=params,
         max_tokens=min(body.token_limit or room, room),
         n=body.n,
-        stop=body.stop,
+        stop_strings=body.stop,
         logprobs=logprobs,
         ignore_eos=body.ignore_eos,
     )

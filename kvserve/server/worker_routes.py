@@ -14,7 +14,6 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
-from kvserve.cache.state_cache import StateCache
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -48,7 +47,7 @@ async def server_info(request: Request) -> dict:
         "engine": "kvserve",
         "cache": {
             "prefix_cache": s.prefix_cache,
-            "kind": "checkpoints" if isinstance(engine.pool.cache, StateCache) else "pages",
+            "kind": engine.cache.keeps,
             "ctx_size": s.ctx_size,
             "parallel": s.parallel,
             "page_rows": s.page_rows,
