@@ -73,7 +73,7 @@ async def soak(url: str, n_requests: int, concurrency: int, seed: int, first: in
     A request that takes longer than `timeout` counts as 'hung'."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=60,
+    async with httpx.AsyncClient(base_url=url, timeout=None,  # `timeout` below bounds each request whole
                                  limits=httpx.Limits(max_connections=concurrency * 2)) as client:
         async def bounded(i: int) -> str:
             async with gate:
@@ -101,13 +101,15 @@ class SoakRun:
     outcomes: Counter[str] = field(default_factory=Counter)
     memory: list[tuple[int, float]] = field(default_factory=list)  # (requests done, resident MiB)
 
-    def batch(self, url: str, n: int, concurrency: int) -> None:
-        self.outcomes += asyncio.run(soak(url, n, concurrency, seed=self.requests, first=self.requests))
+    def batch(self, url: str, n: int, concurrency: int, timeout: float = 120) -> None:
+        self.outcomes += asyncio.run(soak(url, n, concurrency, seed=self.requests, first=self.requests,
+                                          timeout=timeout))
         self.requests += n
         self.memory.append((self.requests, resident_mib(url)))
 
 
-def main(n_requests: int = 5_000, warmup: int = 500, chunk: int = 250, concurrency: int = 32) -> str:
+def main(n_requests: int = 5_000, warmup: int = 500, chunk: int = 250, concurrency: int = 32,
+         timeout: float = 600) -> str:
     """The long soak on the default model; writes bench/results/soak.{json,md,png}."""
     port = free_port()
     args = ["--parallel", "8", "--ctx-size", "4096"]
@@ -115,7 +117,7 @@ def main(n_requests: int = 5_000, warmup: int = 500, chunk: int = 250, concurren
     with running(kvserve_command(port, *args), port, RESULTS / "soak-kvserve.log") as url:
         run = SoakRun(memory=[(0, resident_mib(url))])
         while run.requests < n_requests:
-            run.batch(url, chunk, concurrency)
+            run.batch(url, chunk, concurrency, timeout)
             print(f"soak: {run.requests} requests, {run.memory[-1][1]:.0f} MiB, {dict(run.outcomes)}", flush=True)
         live = samples(url)["kvserve_live_sampler_chains"]
     after_warmup = next(mib for done, mib in run.memory if done >= warmup)
