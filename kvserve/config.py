@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     parallel: int = Field(16, ge=1, le=128, description="sequences decoding at once")
     batch_size: int = Field(512, ge=16, description="tokens per engine step (decode tokens + prompt chunks)")
     threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
+    flash_attn: Literal["on", "off", "auto"] = Field(
+        "auto", description="flash attention: auto lets llama.cpp pick for the device (on for CPUs); off is bit-stable"
+    )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
     prefix_cache_cells: int = Field(4096, ge=0, description="most KV cells the page cache keeps (cold pages cost attention)")

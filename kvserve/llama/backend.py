@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
+from typing import Callable, Iterator
 
 import llama_cpp
 
@@ -17,10 +19,28 @@ _ready = False
 _FORWARDED_LEVELS = {2: logging.DEBUG, 3: logging.ERROR}
 
 
+_listeners: list[Callable[[str], None]] = []
+
+
 @llama_cpp.llama_log_callback
 def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    if level in _FORWARDED_LEVELS and text.strip():
-        _log.log(_FORWARDED_LEVELS[level], text.decode("utf-8", errors="replace").rstrip())
+    line = text.decode("utf-8", errors="replace").rstrip()
+    for listener in _listeners:
+        listener(line)
+    if level in _FORWARDED_LEVELS and line:
+        _log.log(_FORWARDED_LEVELS[level], line)
+
+
+@contextlib.contextmanager
+def log_lines() -> Iterator[list[str]]:
+    """Every line llama.cpp logs during the block, at any level: some choices it makes (flash
+    attention under `auto`) are reported only there."""
+    lines: list[str] = []
+    _listeners.append(lines.append)
+    try:
+        yield lines
+    finally:
+        _listeners.remove(lines.append)
 
 
 def ensure_backend() -> None:

@@ -60,6 +60,7 @@ class Engine:
             n_batch=max(settings.batch_size, n_seq_max),
             n_seq_max=n_seq_max,
             n_threads=settings.threads,
+            flash_attn=settings.flash_attn,
         )
         ctx = Context(model, params)
         pool = KvPool(ctx, settings.page_rows)
