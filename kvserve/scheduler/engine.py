@@ -73,6 +73,7 @@ class Engine:
             token_budget=settings.batch_size,
             max_seq_len=min(ctx.n_ctx, model.info.n_ctx_train or ctx.n_ctx),
             queue_timeout=settings.queue_timeout,
+            prefill_chunk=settings.prefill_chunk or None,
         )
         scheduler = Scheduler(pool, config)
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
