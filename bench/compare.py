@@ -16,11 +16,12 @@ import os
 from pathlib import Path
 
 from bench import llama_server, report, workloads
-from bench.servers import Server, Setup, contenders, free_port, running
+from bench.servers import Server, Setup, contenders
 from bench.stats import summarize
 from bench.workloads import Workload
 from kvserve.config import embedded_model_path
 from kvserve.llama.model import Model
+from kvserve.testing import ServerProcess, free_port
 
 RESULTS = Path(__file__).parent / "results"
 MAX_TOKENS = 64
@@ -47,10 +48,10 @@ def end_of_generation_bias(model_path: Path) -> dict[str, float]:
 
 def measure(server: Server, workload: Workload, max_tokens: int, extra: dict) -> dict:
     port = free_port()
-    with running(server.command(port), port, RESULTS / f"{server.name}-{workload.name}.log",
-                 health=server.health) as url:
-        workloads.run_sync(url, Workload("warm-up", 1, 1, lambda *_: WARM_UP), 8, extra)
-        run = workloads.run_sync(url, workload, max_tokens, extra)
+    with ServerProcess(server.command(port), port, RESULTS / f"{server.name}-{workload.name}.log") as process:
+        process.wait_healthy(server.health)
+        workloads.run_sync(process.url, Workload("warm-up", 1, 1, lambda *_: WARM_UP), 8, extra)
+        run = workloads.run_sync(process.url, workload, max_tokens, extra)
     row = {"server": server.name, "workload": workload.name, **summarize(run.results, run.wall)}
     print(f"{workload.name:>10} {server.name:>16}: TTFT p95 {row['ttft_p95']:.2f} s, "
           f"{row['output_tok_s']:.1f} tok/s, {row['errors']} errors {row['first_error'] or ''}", flush=True)
