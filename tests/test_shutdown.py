@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.testing import ServerProcess
+from kvserve.testing import ServerProcess, wait_until
 
 KEY = "sk-very-secret-9f8e7d"
 
@@ -25,6 +25,12 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, started: asyn
     return lines
 
 
+def _draining(log: Path) -> bool:
+    """The server has logged that it drains, so SIGTERM has been handled (a substring test: the
+    line being written may be read half-way)."""
+    return '"message": "draining:' in log.read_text()
+
+
 async def _drain_scenario(server: ServerProcess) -> tuple[list[str], list[str], httpx.Response, int]:
     url = server.url
     headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "drain-test-1"}
@@ -36,7 +42,7 @@ async def _drain_scenario(server: ServerProcess) -> tuple[list[str], list[str], 
                                            long_started))
         await asyncio.wait_for(asyncio.gather(short_started.wait(), long_started.wait()), 30)
         server.terminate()
-        await asyncio.sleep(0.3)
+        await asyncio.to_thread(wait_until, lambda: _draining(server.log), 30, "the server logging that it drains")
         refused = await client.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         health = (await client.get(f"{url}/health")).status_code
         return await short, await long, refused, health
