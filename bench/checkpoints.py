@@ -1,4 +1,4 @@
-"""Issue 4's benchmark: multi-turn chats on a hybrid (LFM2-style) model, with and without checkpoints.
+"""The checkpoints benchmark: multi-turn chats on a hybrid (LFM2-style) model, with and without checkpoints.
 
 8 conversations x 4 turns on one ~1,000-token system prompt; each turn carries the previous answers.
 Reports the share of prompt tokens restored instead of prefilled from the second turn on, and TTFT

@@ -1,4 +1,4 @@
-"""Issue 6's benchmark, the default suite: kvserve against llama-server and llama-cpp-python's server.
+"""The comparison, the default benchmark suite: kvserve against llama-server and llama-cpp-python's server.
 
 Each workload runs on a freshly started server of each kind (so no workload warms another's cache),
 on loopback, with the same model file, threads and per-request context. Every request streams a
@@ -31,7 +31,7 @@ WARM_UP = [{"role": "user", "content": "Say hello."}]
 
 
 def all_workloads(quick: bool) -> list[Workload]:
-    """The issue's workloads; quick: the fewest rounds that still exercise each (a smoke run)."""
+    """The four workloads; quick: the fewest rounds that still exercise each (a smoke run)."""
     if quick:
         return [workloads.shared(rounds=1), workloads.multiturn(rounds=2), workloads.unique("compare", rounds=1),
                 workloads.long("compare")]

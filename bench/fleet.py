@@ -1,4 +1,4 @@
-"""Issue 7's benchmark: two kvserve replicas behind smg, `cache_aware` against `round_robin`, one run.
+"""The fleet benchmark: two kvserve replicas behind smg, `cache_aware` against `round_robin`, one run.
 
 The shared-prompt workload with four system prompts: four support desks, each with its own
 ~550-token handbook (they differ from the first word); USERS_PER_DESK users per desk ask ROUNDS

@@ -1,4 +1,4 @@
-"""Issue 3's benchmark: a shared ~1,000-token system prompt, with and without the prefix cache.
+"""The prefix benchmark: a shared ~1,000-token system prompt, with and without the prefix cache.
 
 - shared: 8 concurrent users, one system prompt, distinct questions, 3 rounds each; TTFT and the
   share of the system prompt served from cache after the first request;

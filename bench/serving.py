@@ -1,4 +1,4 @@
-"""Issue 2's benchmark: kvserve at concurrency 1, 4, 8 and 16 against raw batched llama_decode.
+"""The serving benchmark: kvserve at concurrency 1, 4, 8 and 16 against raw batched llama_decode.
 
 Each level sends `concurrency` streamed chat requests at once (distinct prompts of equal length,
 64 tokens each, ignore_eos) and repeats it `rounds` times. Decode throughput is concurrency divided
