@@ -9,21 +9,19 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from bench.servers import free_port
 from kvserve.config import Settings, embedded_model_path
 from kvserve.scheduler.engine import Engine
 from kvserve.llama.sampler import SamplingParams, TokenLogprobs
 from kvserve.scheduler.request import Delta, Request
-from tiny_models import ARCHS, tiny_model  # noqa: F401  (ARCHS: the tests parametrize over it)
+from kvserve.testing import free_port, http_get, wait_until
+from kvserve.testing.tiny_models import ARCHS, tiny_model  # noqa: F401  (ARCHS: the tests parametrize over it)
 
 
 @pytest.fixture(scope="session")
@@ -113,15 +111,8 @@ def served(model: Path, **overrides) -> Iterator[tuple[str, FastAPI]]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        time.sleep(0.05)
-    else:
-        raise RuntimeError("kvserve did not become healthy")
     try:
+        wait_until(lambda: http_get(f"{url}/health", timeout=1)[0] == 200, 60, "kvserve healthy")
         yield url, app
     finally:
         server.should_exit = True

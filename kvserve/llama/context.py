@@ -124,9 +124,6 @@ class Context:
     def seq_pos_min(self, seq: int) -> int:
         return llama_cpp.llama_memory_seq_pos_min(self._mem, seq)
 
-    def clear(self) -> None:
-        llama_cpp.llama_memory_clear(self._mem, True)
-
     # -- state: the recurrent part of a sequence --------------------------------------------------
 
     def state_flags(self) -> int:

@@ -46,8 +46,8 @@ class Engine:
     def load(cls, settings: Settings) -> "Engine":
         model = Model(settings.model)
         caching = settings.prefix_cache
-        # The cache's holder sequences share the id space with running ones (see llama-notes);
-        # a recurrent model allocates a state per id, so it gets only what its checkpoints need.
+        # The cache's holder sequences share llama.cpp's sequence ids with running ones; a recurrent
+        # model allocates a state per id, so it gets only what its checkpoints need.
         if not caching:
             n_seq_max = settings.parallel
         elif model.info.carries_state:
