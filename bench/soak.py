@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.servers import free_port, kvserve_command, running
+from kvserve.testing import ServerProcess, read_metrics
 
 RESULTS = Path(__file__).parent / "results"
 CANCEL_SHARE = 0.3
@@ -73,7 +72,7 @@ async def soak(url: str, n_requests: int, concurrency: int, seed: int, first: in
     A request that takes longer than `timeout` counts as 'hung'."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=60,
+    async with httpx.AsyncClient(base_url=url, timeout=None,  # `timeout` below bounds each request whole
                                  limits=httpx.Limits(max_connections=concurrency * 2)) as client:
         async def bounded(i: int) -> str:
             async with gate:
@@ -84,15 +83,8 @@ async def soak(url: str, n_requests: int, concurrency: int, seed: int, first: in
         return Counter(await asyncio.gather(*(bounded(i) for i in range(first, first + n_requests))))
 
 
-def samples(url: str) -> dict[str, float]:
-    """Every sample of /metrics, by name with its labels (`name{k="v"}`), through prometheus-client's parser."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else ""): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def resident_mib(url: str) -> float:
-    return samples(url)["process_resident_memory_bytes"] / 2**20
+    return read_metrics(url).value("process_resident_memory_bytes") / 2**20
 
 
 @dataclass
@@ -101,25 +93,28 @@ class SoakRun:
     outcomes: Counter[str] = field(default_factory=Counter)
     memory: list[tuple[int, float]] = field(default_factory=list)  # (requests done, resident MiB)
 
-    def batch(self, url: str, n: int, concurrency: int) -> None:
-        self.outcomes += asyncio.run(soak(url, n, concurrency, seed=self.requests, first=self.requests))
+    def batch(self, url: str, n: int, concurrency: int, timeout: float = 120) -> None:
+        self.outcomes += asyncio.run(soak(url, n, concurrency, seed=self.requests, first=self.requests,
+                                          timeout=timeout))
         self.requests += n
         self.memory.append((self.requests, resident_mib(url)))
 
 
-def main(n_requests: int = 5_000, warmup: int = 500, chunk: int = 250, concurrency: int = 32) -> str:
+def main(n_requests: int = 5_000, warmup: int = 500, chunk: int = 250, concurrency: int = 32,
+         timeout: float = 600) -> str:
     """The long soak on the default model; writes bench/results/soak.{json,md,png}."""
-    port = free_port()
-    args = ["--parallel", "8", "--ctx-size", "4096"]
+    settings = {"parallel": 8, "ctx_size": 4096}
     started = time.monotonic()
-    with running(kvserve_command(port, *args), port, RESULTS / "soak-kvserve.log") as url:
+    with ServerProcess.kvserve(RESULTS / "soak-kvserve.log", **settings) as server:
+        server.wait_healthy()
+        url = server.url
         run = SoakRun(memory=[(0, resident_mib(url))])
         while run.requests < n_requests:
-            run.batch(url, chunk, concurrency)
+            run.batch(url, chunk, concurrency, timeout)
             print(f"soak: {run.requests} requests, {run.memory[-1][1]:.0f} MiB, {dict(run.outcomes)}", flush=True)
-        live = samples(url)["kvserve_live_sampler_chains"]
+        live = read_metrics(url).value("kvserve_live_sampler_chains")
     after_warmup = next(mib for done, mib in run.memory if done >= warmup)
-    result = {"requests": run.requests, "args": args, "outcomes": dict(run.outcomes), "seconds": time.monotonic() - started,
+    result = {"requests": run.requests, "settings": settings, "outcomes": dict(run.outcomes), "seconds": time.monotonic() - started,
               "memory_mib": run.memory, "start_mib": run.memory[0][1], "after_warmup_mib": after_warmup,
               "end_mib": run.memory[-1][1], "live_sampler_chains_at_end": live}
     RESULTS.mkdir(exist_ok=True)

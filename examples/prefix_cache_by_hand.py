@@ -2,15 +2,14 @@
 
 Stream A prefills a ~60-token system prompt plus its question and donates its pages; the cache says
 how much of stream B it already holds; B attaches those pages (shared KV cells, no copy) and
-prefills only its tail. Then the same on a model that carries state (the tests' tiny LFM2
-hybrid): a checkpoint at the system opening, restored by a second conversation.
-Run: python examples/prefix_cache_by_hand.py
+prefills only its tail. Then, given a model that carries state (a hybrid such as LFM2), the same
+with a checkpoint at the system opening, restored by a second conversation.
+Run: python examples/prefix_cache_by_hand.py [HYBRID.gguf]
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -112,14 +111,9 @@ def checkpoints(model_path: Path) -> None:
     model.close()
 
 
-def tiny_hybrid(directory: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tiny_models import tiny_model  # the tests' random-weight GGUF writer
-
-    return tiny_model("lfm2", directory)
-
-
 if __name__ == "__main__":
     pages()
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoints(tiny_hybrid(Path(tmp)))
+    if len(sys.argv) > 1:
+        checkpoints(Path(sys.argv[1]))
+    else:
+        print("checkpoints: pass the path of a hybrid GGUF (an LFM2, for one) to see them too")

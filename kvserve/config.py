@@ -44,7 +44,13 @@ class Settings(BaseSettings):
     ctx_size: int = Field(16384, ge=256, description="KV cells shared by all sequences")
     parallel: int = Field(16, ge=1, le=128, description="sequences decoding at once")
     batch_size: int = Field(512, ge=16, description="tokens per engine step (decode tokens + prompt chunks)")
+    prefill_chunk: int = Field(
+        64, ge=0, description="most prompt tokens in a step while streams decode (0: the whole batch); bounds their token latency"
+    )
     threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
+    flash_attn: Literal["on", "off", "auto"] = Field(
+        "auto", description="flash attention: auto lets llama.cpp pick for the device (on for CPUs); off is bit-stable"
+    )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
     prefix_cache_cells: int = Field(4096, ge=0, description="most KV cells the page cache keeps (cold pages cost attention)")

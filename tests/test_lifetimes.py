@@ -11,7 +11,6 @@ from typing import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import engine, greedy, run, serve
 from kvserve.llama.batch import Batch
@@ -19,6 +18,7 @@ from kvserve.llama.context import DecodeError
 from kvserve.llama.sampler import SamplingParams, live_samplers
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import FinishReason, Request, RequestOutput
+from kvserve.testing import read_metrics
 
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 3
 
@@ -156,6 +156,5 @@ def test_live_count_reaches_the_metrics(tiny) -> None:
     with serve(tiny("llama"), threads=1) as url:
         body = {"prompt": "hi", "max_tokens": 3, "n": 2, "response_format": {"type": "json_object"}}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-        samples = {s.name: s.value for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-                   for s in family.samples}
-    assert samples["kvserve_live_sampler_chains"] == 0
+        metrics = read_metrics(url)
+    assert metrics.value("kvserve_live_sampler_chains") == 0

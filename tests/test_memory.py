@@ -10,8 +10,8 @@ vocabulary) and 538 chains were still alive at the end.
 
 from __future__ import annotations
 
-from bench.servers import free_port, kvserve_command, running
-from bench.soak import SoakRun, samples
+from bench.soak import SoakRun
+from kvserve.testing import ServerProcess, read_metrics
 
 WARMUP = 200
 HALF = 200
@@ -22,17 +22,17 @@ CACHE_CELLS = 1024
 
 
 def test_memory_is_flat_after_warm_up(tiny, tmp_path) -> None:
-    port = free_port()
-    command = kvserve_command(port, "--model", str(tiny("llama")), "--threads", "1", "--parallel", "8",
-                              "--ctx-size", "2048", "--prefix-cache-cells", str(CACHE_CELLS))
-    with running(command, port, tmp_path / "kvserve.log") as url:
+    with ServerProcess.kvserve(tmp_path / "kvserve.log", model=tiny("llama"), threads=1, parallel=8, ctx_size=2048,
+                               prefix_cache_cells=CACHE_CELLS) as server:
+        server.wait_healthy()
+        url = server.url
         run = SoakRun()
         run.batch(url, WARMUP, CONCURRENCY)
-        assert samples(url)["kvserve_prefix_cache_held_pages"] * PAGE_ROWS >= CACHE_CELLS - PAGE_ROWS, \
+        assert read_metrics(url).value("kvserve_prefix_cache_held_pages") * PAGE_ROWS >= CACHE_CELLS - PAGE_ROWS, \
             "the warm-up did not fill the prefix cache"
         run.batch(url, HALF, CONCURRENCY)
         run.batch(url, HALF, CONCURRENCY)
-        live = samples(url)["kvserve_live_sampler_chains"]
+        live = read_metrics(url).value("kvserve_live_sampler_chains")
     (_, at_warmup), (_, at_half), (_, at_end) = run.memory
     print(f"\nmemory: {at_warmup:.1f} MiB after warm-up, {at_half:.1f} at half, {at_end:.1f} at the end; "
           f"outcomes {dict(run.outcomes)}")

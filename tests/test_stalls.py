@@ -15,10 +15,10 @@ from typing import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import engine, greedy, run, served
 from kvserve.llama.batch import Batch
+from kvserve.testing import read_metrics
 
 
 def test_two_prompts_admitted_into_a_full_cache_both_finish(tiny) -> None:
@@ -84,8 +84,7 @@ def test_a_stuck_step_is_reported_once_with_the_state(tiny, stall_log: _Flag, mo
                 thread.start()
             try:
                 assert stall_log.seen.wait(30), "no stall was reported"
-                samples = {s.name: s.value for f in text_string_to_metric_families(client.get(f"{url}/metrics").text)
-                           for s in f.samples}
+                metrics = read_metrics(url)
             finally:
                 release.set()
             for thread in threads:
@@ -93,8 +92,8 @@ def test_a_stuck_step_is_reported_once_with_the_state(tiny, stall_log: _Flag, mo
     assert [r.status_code for r in done] == [200, 200]
     assert len(stall_log.messages) == 1
     assert "has not come back from one step" in stall_log.messages[0]
-    assert samples["kvserve_engine_stalls_total"] == 1
-    assert samples["kvserve_oldest_waiting_seconds"] > 0
+    assert metrics.value("kvserve_engine_stalls_total") == 1
+    assert metrics.value("kvserve_oldest_waiting_seconds") > 0
 
 
 def test_a_scheduler_that_moves_nothing_describes_what_waits(tiny, stall_log: _Flag, monkeypatch) -> None:

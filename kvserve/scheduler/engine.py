@@ -57,8 +57,8 @@ class Engine:
     def load(cls, settings: Settings) -> "Engine":
         model = Model(settings.model)
         caching = settings.prefix_cache
-        # The cache's holder sequences share the id space with running ones (see llama-notes);
-        # a recurrent model allocates a state per id, so it gets only what its checkpoints need.
+        # The cache's holder sequences share llama.cpp's sequence ids with running ones; a recurrent
+        # model allocates a state per id, so it gets only what its checkpoints need.
         if not caching:
             n_seq_max = settings.parallel
         elif model.info.carries_state:
@@ -71,6 +71,7 @@ class Engine:
             n_batch=max(settings.batch_size, n_seq_max),
             n_seq_max=n_seq_max,
             n_threads=settings.threads,
+            flash_attn=settings.flash_attn,
         )
         ctx = Context(model, params)
         ids = SeqIds(ctx.n_seq_max)
@@ -81,6 +82,7 @@ class Engine:
             token_budget=settings.batch_size,
             max_seq_len=min(ctx.n_ctx, model.info.n_ctx_train or ctx.n_ctx),
             queue_timeout=settings.queue_timeout,
+            prefill_chunk=settings.prefill_chunk or None,
         )
         scheduler = Scheduler(pool, cache, config)
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)

@@ -9,7 +9,9 @@ Invariants:
 - every admitted request ends with exactly one output carrying `usage` (or `error`), and its
   sessions are released (donated to the prefix cache first);
 - a batch never exceeds the token budget, never outruns free KV cells (the cache evicts, then
-  the newest running request is preempted), and never repeats a sequence twice.
+  the newest running request is preempted), and never repeats a sequence twice;
+- a step that decodes carries at most `prefill_chunk` prompt tokens, so a running stream's next token
+  waits for one short step, never a long prefill (stall-free batching, as Sarathi-Serve's).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class SchedulerConfig:
     token_budget: int  # tokens per llama_decode (--batch-size)
     max_seq_len: int  # longest sequence one request may grow to
     queue_timeout: float = 0.0  # seconds a request may wait before its first admission; 0: forever
+    prefill_chunk: int | None = None  # most prompt tokens in a step that also decodes; None: the whole budget
 
 
 @dataclass
@@ -285,6 +288,8 @@ class Scheduler:
         slots = decoding
         planned = len(decoding)
         budget = self.config.token_budget - planned
+        if decoding and self.config.prefill_chunk is not None:
+            budget = min(budget, self.config.prefill_chunk)  # a running stream never waits through a long prefill
         for slot in prefilling:
             wanted = min(slot.choice.unevaluated, budget, self._to_next_checkpoint(slot))
             self.pool.make_room(planned + wanted)

@@ -1,5 +1,6 @@
 """A read-only picture of the engine, published by the engine thread after each step so that other
-threads (metrics, /v1/cache) never read structures while the engine mutates them."""
+threads (the metrics scrape) never read structures while the engine mutates them. /v1/cache, which
+needs more, runs its reads on the engine thread instead."""
 
 from __future__ import annotations
 

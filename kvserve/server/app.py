@@ -215,7 +215,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(api)
     app.include_router(cache_routes.router, dependencies=[Depends(require_key)], responses=_errors(400, 401, 413))
     app.include_router(worker_routes.router, dependencies=[Depends(require_key)], responses=_errors(400, 401, 413))
-    # Outermost first: the request id is set before anything can log or answer.
+    # The last added runs outermost: RequestId wraps BodyLimit, so the id is set before anything logs or answers.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     app.add_middleware(RequestId)
     return app

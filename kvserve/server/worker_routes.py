@@ -45,6 +45,8 @@ async def server_info(request: Request) -> dict:
         "max_total_tokens": s.ctx_size,
         "version": __version__,
         "engine": "kvserve",
+        "flash_attn": s.flash_attn,  # as asked; `flash_attn_enabled` is what llama.cpp chose
+        "flash_attn_enabled": engine.pool.ctx.flash_attn,
         "cache": {
             "prefix_cache": s.prefix_cache,
             "kind": engine.cache.keeps,
