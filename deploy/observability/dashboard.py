@@ -96,6 +96,10 @@ SECTIONS = (
               "Running requests per second sent back to the queue for lack of KV cells; each recomputes "
               "what the cache no longer holds when readmitted.", "ops",
               (Query(by_instance(rate("kvserve_preemptions_total")), "{{instance}}"),)),
+        Graph("Oldest waiting request",
+              "Age of the oldest request not yet admitted. It should fall back to zero between bursts; a "
+              "steady climb is a saturated replica, a climb with no engine steps is a stall.", "s",
+              (Query(by_instance(selector("kvserve_oldest_waiting_seconds")), "{{instance}}"),)),
     )),
     Section("Latency: how long clients wait", (
         Graph("Time to first token", "Arrival to the first generated token: queue time plus the prefill of "
@@ -122,6 +126,17 @@ SECTIONS = (
               (Query(by_instance(rate("kvserve_engine_step_seconds_total")), "busy {{instance}}"),
                Query(ratio("kvserve_engine_decode_seconds_total", "kvserve_engine_step_seconds_total", "instance"),
                      "in llama_decode {{instance}}"))),
+    )),
+    Section("Health: what a long-running replica must hold steady", (
+        Graph("Resident memory", "The process's resident memory. After warm-up (model, KV cache, caches "
+              "filled) it stays flat; a straight climb with traffic is a per-request leak.", "bytes",
+              (Query(by_instance(selector("process_resident_memory_bytes")), "{{instance}}"),)),
+        Graph("Live sampler chains", "llama.cpp sampler chains allocated and not yet freed: one per running "
+              "choice, so it follows running requests and is 0 when the replica is idle.", "short",
+              (Query(by_instance(selector("kvserve_live_sampler_chains")), "{{instance}}"),)),
+        Graph("Engine stalls", "Stalls per second: requests in flight and no engine progress for "
+              "--stall-seconds. Each is logged once with the scheduler's state.", "ops",
+              (Query(by_instance(rate("kvserve_engine_stalls_total")), "{{instance}}"),)),
     )),
     Section("Prefix cache: how much prefill the cache saves", (
         Graph("Cache hit ratio", "Share of prompt tokens attached from the prefix cache instead of "
