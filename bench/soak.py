@@ -102,27 +102,32 @@ class SoakRun:
 
 def main(n_requests: int = 5_000, warmup: int = 500, chunk: int = 250, concurrency: int = 32,
          timeout: float = 600) -> str:
-    """The long soak on the default model; writes bench/results/soak.{json,md,png}."""
+    """The long soak on the default model. bench/results/soak.{json,png} are rewritten after every
+    chunk, so a run stopped early still leaves its curve."""
     settings = {"parallel": 8, "ctx_size": 4096}
     started = time.monotonic()
     with ServerProcess.kvserve(RESULTS / "soak-kvserve.log", **settings) as server:
         server.wait_healthy()
-        url = server.url
-        run = SoakRun(memory=[(0, resident_mib(url))])
+        run = SoakRun(memory=[(0, resident_mib(server.url))])
         while run.requests < n_requests:
-            run.batch(url, chunk, concurrency, timeout)
-            print(f"soak: {run.requests} requests, {run.memory[-1][1]:.0f} MiB, {dict(run.outcomes)}", flush=True)
-        live = read_metrics(url).value("kvserve_live_sampler_chains")
-    after_warmup = next(mib for done, mib in run.memory if done >= warmup)
-    result = {"requests": run.requests, "settings": settings, "outcomes": dict(run.outcomes), "seconds": time.monotonic() - started,
+            run.batch(server.url, chunk, concurrency, timeout)
+            live = read_metrics(server.url).value("kvserve_live_sampler_chains")
+            summary = _write(run, settings, warmup, live, time.monotonic() - started)
+            print(f"soak: {summary}", flush=True)
+    return summary
+
+
+def _write(run: SoakRun, settings: dict, warmup: int, live: float, seconds: float) -> str:
+    after_warmup = next((mib for done, mib in run.memory if done >= warmup), None)
+    result = {"requests": run.requests, "settings": settings, "outcomes": dict(run.outcomes), "seconds": seconds,
               "memory_mib": run.memory, "start_mib": run.memory[0][1], "after_warmup_mib": after_warmup,
-              "end_mib": run.memory[-1][1], "live_sampler_chains_at_end": live}
+              "end_mib": run.memory[-1][1], "live_sampler_chains": live}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "soak.json").write_text(json.dumps(result, indent=1))
     _chart(run, warmup, RESULTS / "soak.png")
-    return (f"{run.requests} requests in {result['seconds']:.0f}s, outcomes {dict(run.outcomes)}; resident memory "
-            f"{result['start_mib']:.0f} MiB at start, {after_warmup:.0f} MiB after {warmup} requests, "
-            f"{result['end_mib']:.0f} MiB at the end; {live:.0f} live sampler chains")
+    return (f"{run.requests} requests in {seconds:.0f}s, outcomes {dict(run.outcomes)}; resident memory "
+            f"{result['start_mib']:.0f} MiB at start, {after_warmup or float('nan'):.0f} MiB after {warmup} requests, "
+            f"{result['end_mib']:.0f} MiB now; {live:.0f} live sampler chains")
 
 
 def _chart(run: SoakRun, warmup: int, path: Path) -> None:
@@ -141,3 +146,4 @@ def _chart(run: SoakRun, warmup: int, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -104,15 +104,16 @@ def test_targets_are_ratios_to_llama_server_from_the_same_run() -> None:
             row("llama-cpp-python", "shared", 5.0, 9.0, None),
             row("kvserve", "unique", 9.0, 1.0, 0), row("llama-server", "unique", 10.0, 1.0, 0)]
     got = {t["target"]: (round(t["ratio"], 3), t["met"]) for t in targets(rows)}
-    assert got == {"shared: output tok/s ≥ 2x llama-server": (3.0, True),
-                   "shared: TTFT p95 ≤ 0.25x llama-server": (0.5, False),
-                   "unique: output tok/s ≥ 0.95x llama-server": (0.9, False)}  # no multiturn/long rows: no targets
+    assert got == {"shared: output tok/s ≥ 3x llama-server": (3.0, True),
+                   "shared: TTFT p95 ≤ 0.2x llama-server": (0.5, False),
+                   "unique: output tok/s ≥ 1x llama-server": (0.9, False),
+                   "unique: ITL p95 ≤ 1x llama-server": (1.0, True)}  # no multiturn/long rows: no targets
     machine = {"cpu": "cpu", "cores": 2, "memory_gib": 4, "os": "linux", "llama_cpp_python": "0.3.36",
                "kvserve_commit": "abc"}
     settings = {"model": "m.gguf", "threads": 2, "slots": 8, "ctx_per_request": 4096, "max_tokens": 64}
     text = markdown({"machine": machine, "settings": settings, "rows": rows, "targets": targets(rows)})
     assert "| shared | llama-cpp-python |" in text and "not reported" in text and "90 / 100 (90%)" in text
-    assert "| shared: TTFT p95 ≤ 0.25x llama-server | 0.50x | **no** |" in text
+    assert "| shared: TTFT p95 ≤ 0.2x llama-server | 0.50x | **no** |" in text
 
 
 def test_every_server_gets_the_same_model_threads_and_context() -> None:

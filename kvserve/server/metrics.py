@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 from kvserve.config import Settings
 from kvserve.scheduler.async_engine import AsyncEngine
-from kvserve.scheduler.request import RequestOutput
+from kvserve.scheduler.request import FinishReason, RequestOutput
 from kvserve.scheduler.scheduler import StepTimes
 from kvserve.scheduler.snapshot import EngineSnapshot
 
@@ -132,6 +132,12 @@ class Metrics:
             ["status"], registry=r,
         )
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: the memory a soak watches
+        # Every label value exists from the start, at 0: a series born at 1 on its first 429 or error
+        # is one increase()/rate() cannot see, so the alerts on them would miss it.
+        for reason in FinishReason:
+            self.success.labels(finish_reason=reason.value)
+        for status in ("429", "503"):
+            self.rejected.labels(status=status)
         r.register(_EngineCollector(snapshot, times, queue))
         if settings.metrics_compat == "vllm":
             r.register(_VllmCollector(snapshot, settings.served_name))
