@@ -15,7 +15,8 @@ from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.context import MAX_SEQUENCES, Context, ContextParams
 from kvserve.llama.model import Model
 from kvserve.scheduler.async_engine import AsyncEngine
-from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.scheduler import Scheduler
 
 _log = logging.getLogger("kvserve.engine")
 

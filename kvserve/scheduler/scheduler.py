@@ -27,6 +27,7 @@ from kvserve.llama.batch import Batch
 from kvserve.llama.context import DecodeError, NoKvSlot
 from kvserve.llama.detokenizer import Detokenizer
 from kvserve.llama.sampler import Sampler, live_samplers, token_logprobs
+from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import Choice, Delta, FinishReason, Request, RequestOutput, Usage
 from kvserve.scheduler.snapshot import EngineSnapshot
 from kvserve.scheduler.stop_strings import StopMatcher
@@ -37,15 +38,6 @@ _log = logging.getLogger("kvserve.scheduler")
 STARVATION_LIMIT = 8
 # Cache-aware admission ranks only the head of the queue, so a long queue costs nothing extra.
 ADMISSION_WINDOW = 32
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_running: int  # sequences decoding at once (--parallel)
-    token_budget: int  # tokens per llama_decode (--batch-size)
-    max_seq_len: int  # longest sequence one request may grow to
-    queue_timeout: float = 0.0  # seconds a request may wait before its first admission; 0: forever
-    prefill_chunk: int | None = None  # most prompt tokens in a step that also decodes; None: the whole budget
 
 
 @dataclass

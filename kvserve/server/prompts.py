@@ -14,7 +14,7 @@ from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
 from kvserve.scheduler.request import Request
-from kvserve.scheduler.scheduler import SchedulerConfig
+from kvserve.scheduler.config import SchedulerConfig
 from kvserve.server.errors import invalid, invalid_body
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat, _Sampling
 
