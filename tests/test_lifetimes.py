@@ -112,7 +112,7 @@ def test_failed_by_an_engine_bug(tiny_engine: Engine, monkeypatch: pytest.Monkey
     request = greedy(prompt(e), max_tokens=50, ignore_eos=True)
     e.scheduler.submit(request)
     step_until(e, lambda _: request.choices and request.choices[0].n_generated >= 2)
-    monkeypatch.setattr(e.scheduler, "_plan", lambda outputs: 1 / 0)
+    monkeypatch.setattr(e.scheduler.planner, "plan", lambda outputs: 1 / 0)
     step_until(e, ended(request))
     assert live_samplers() == 0
 

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import engine, greedy, run, served
 from kvserve.llama.batch import Batch
+from kvserve.scheduler.admission import Room
 from kvserve.testing import read_metrics
 
 
@@ -100,7 +101,7 @@ def test_a_scheduler_that_moves_nothing_describes_what_waits(tiny, stall_log: _F
     """Steps keep running but admit nothing: the report says what the waiting request waits for."""
     with served(tiny("llama"), threads=1, stall_seconds=0.5) as (url, app):
         scheduler = app.state.engine.scheduler
-        monkeypatch.setattr(scheduler, "_fits", lambda request, cached, outputs: False)
+        monkeypatch.setattr(scheduler.admission, "_make_room_for", lambda request, cached: Room.LATER)
         with httpx.Client(timeout=60) as client:
             result = []
             thread = threading.Thread(
