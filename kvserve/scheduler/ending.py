@@ -1,8 +1,8 @@
 """Ending requests, every way they end: finished, cut at the context's length, aborted, failed.
 
-Invariant: every admitted request ends here exactly once, with one output carrying `usage` (or
-`error`); its sessions are released (donated to the prefix cache first, unless it failed) and it
-leaves the running list or the waiting queue.
+Invariant: every request the scheduler took ends here exactly once, with one output carrying
+`usage` (or `error`); its sessions are released (donated to the prefix cache first, unless it
+failed) and it leaves the running list or the waiting queue.
 """
 
 from __future__ import annotations
