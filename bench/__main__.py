@@ -1,7 +1,7 @@
 """python -m bench [compare|serving|prefix|checkpoints|soak] — each writes JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; the others
-are the earlier kvserve-only suites whose numbers the README quotes; soak serves thousands of requests
+are the earlier kvserve-only suites whose numbers docs/benchmarks.md quotes; soak serves thousands of requests
 and charts kvserve's resident memory.
 """
 

@@ -77,7 +77,7 @@ def main(quick: bool = False, servers: list[str] | None = None, only: list[str] 
         "rows": rows,
         "targets": report.targets(rows),
     }
-    # only a full run replaces the results the README shows
+    # only a full run replaces the results docs/benchmarks.md shows
     name = "latest" if not quick and servers is None and only is None else "partial"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
