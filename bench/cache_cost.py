@@ -110,7 +110,8 @@ def run(model: Path, traffic: Traffic, results: Path = RESULTS, **settings: obje
         warm_up_tokens = {cache: warm_up(server.url, cap, traffic.users, extra) for cache, server in servers.items()}
         filled = cache_fill(servers[True].url)
         if not filled.reached_cap:
-            raise RuntimeError(f"the warm-up left the cache below its cap: {filled}")
+            raise RuntimeError(f"the warm-up left the cache below its cap: {filled} (a cap past the context's "
+                               f"bound is cut, as {servers[True].log} says)")
         rows += [measure(server.url, "steady", cache, traffic, extra) for cache, server in servers.items()]
         after = cache_fill(servers[True].url)
     return {"machine": machine(), "settings": {"model": model.name, **settings}, "traffic": asdict(traffic),

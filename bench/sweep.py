@@ -112,7 +112,7 @@ def versus(rows: list[dict], metric: str) -> dict[tuple[str, int], float]:
 
 def markdown(result: dict) -> str:
     s = result["settings"]
-    sizes = "; ".join(f"{a['name']}: {a['slots']} slots x {a['ctx_per_request']} context, "
+    sizes = "; ".join(f"{a['name']}: {a['slots']} x {a['ctx_per_request']}-token slots, "
                       f"{a['max_tokens']} output tokens" for a in s["axes"])
     header = (f"{describe_machine(result['machine'])}; {s['model']}, {s['threads']} threads, "
               f"{s['rounds']} rounds per user; {sizes}.")
