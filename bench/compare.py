@@ -59,9 +59,7 @@ def measure(server: Server, workload: Workload, max_tokens: int, extra: dict) ->
 
 
 def main(quick: bool = False, servers: list[str] | None = None, only: list[str] | None = None) -> str:
-    binary = llama_server.binary()
-    if not binary.is_file():
-        raise SystemExit(f"{binary} is missing: build it once with `make bench-setup`")
+    binary = llama_server.require()
     setup = Setup(model=embedded_model_path(), threads=os.cpu_count() or 1, ctx_per_request=CTX_PER_REQUEST,
                   slots=SLOTS)
     chosen = [s for s in contenders(setup, binary) if servers is None or s.name in servers]

@@ -72,9 +72,7 @@ def test_stopped_by_a_stop_string(tiny_engine: Engine) -> None:
 
 def test_cancelled_running_and_waiting(tiny_engine: Engine) -> None:
     e = tiny_engine
-    running = greedy(prompt(e), max_tokens=500, ignore_eos=True)
-    e.scheduler.submit(running)
-    step_until(e, lambda _: running.choices and running.choices[0].n_generated >= 3)
+    running = decoding(e)
     assert live_samplers() == 1
     e.scheduler.abort(running.id)
     step_until(e, ended(running))
@@ -92,11 +90,17 @@ def test_aborted_at_shutdown(tiny_engine: Engine) -> None:
     assert live_samplers() == 0
 
 
+def decoding(e: Engine) -> Request:
+    """A request that is running and has generated a few tokens (so its chain has sampled)."""
+    request = greedy(prompt(e), max_tokens=500, ignore_eos=True)
+    e.scheduler.submit(request)
+    step_until(e, lambda _: request.choices and request.choices[0].n_generated >= 3)
+    return request
+
+
 def test_failed_by_a_decode_error(tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     e = tiny_engine
-    request = greedy(prompt(e), max_tokens=50, ignore_eos=True)
-    e.scheduler.submit(request)
-    step_until(e, lambda _: request.choices and request.choices[0].n_generated >= 2)
+    request = decoding(e)
 
     def failing(batch: Batch) -> None:
         raise DecodeError(-1)
@@ -109,9 +113,7 @@ def test_failed_by_a_decode_error(tiny_engine: Engine, monkeypatch: pytest.Monke
 
 def test_failed_by_an_engine_bug(tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     e = tiny_engine
-    request = greedy(prompt(e), max_tokens=50, ignore_eos=True)
-    e.scheduler.submit(request)
-    step_until(e, lambda _: request.choices and request.choices[0].n_generated >= 2)
+    request = decoding(e)
     monkeypatch.setattr(e.scheduler, "_plan", lambda outputs: 1 / 0)
     step_until(e, ended(request))
     assert live_samplers() == 0

@@ -8,21 +8,28 @@ import pytest
 
 from conftest import engine, greedy
 from kvserve.llama.batch import Batch
+from kvserve.scheduler.engine import Engine
 
 CHUNK = 32
 STREAMS = 4
 
 
+def batch_sizes(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tokens in each batch the engine decodes from now on."""
+    sizes: list[int] = []
+    real_decode = e.pool.ctx.decode
+
+    def counting(batch: Batch) -> None:
+        sizes.append(batch.n_tokens)
+        real_decode(batch)
+
+    monkeypatch.setattr(e.pool.ctx, "decode", counting)
+    return sizes
+
+
 def test_a_long_prompt_never_holds_up_running_streams(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     with engine(tiny("llama"), batch_size=512, prefill_chunk=CHUNK, parallel=8) as e:
-        sizes: list[int] = []
-        real_decode = e.pool.ctx.decode
-
-        def counting(batch: Batch) -> None:
-            sizes.append(batch.n_tokens)
-            real_decode(batch)
-
-        monkeypatch.setattr(e.pool.ctx, "decode", counting)
+        sizes = batch_sizes(e, monkeypatch)
         streams = [greedy(e.model.tokenize(f"Stream {i} says", add_special=True), max_tokens=400, ignore_eos=True)
                    for i in range(STREAMS)]
         for request in streams:
@@ -48,14 +55,7 @@ def test_a_long_prompt_never_holds_up_running_streams(tiny, monkeypatch: pytest.
 
 def test_with_nothing_decoding_a_prompt_takes_the_whole_budget(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     with engine(tiny("llama"), batch_size=512, prefill_chunk=CHUNK) as e:
-        sizes: list[int] = []
-        real_decode = e.pool.ctx.decode
-
-        def counting(batch: Batch) -> None:
-            sizes.append(batch.n_tokens)
-            real_decode(batch)
-
-        monkeypatch.setattr(e.pool.ctx, "decode", counting)
+        sizes = batch_sizes(e, monkeypatch)
         request = greedy([1] + [(7 * j) % 300 + 5 for j in range(400)], max_tokens=2)
         e.scheduler.submit(request)
         while e.scheduler.has_work():
