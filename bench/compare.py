@@ -59,9 +59,7 @@ def measure(server: Server, workload: Workload, max_tokens: int, extra: dict) ->
 
 
 def main(quick: bool = False, servers: list[str] | None = None, only: list[str] | None = None) -> str:
-    binary = llama_server.binary()
-    if not binary.is_file():
-        raise SystemExit(f"{binary} is missing: build it once with `make bench-setup`")
+    binary = llama_server.require()
     setup = Setup(model=embedded_model_path(), threads=os.cpu_count() or 1, ctx_per_request=CTX_PER_REQUEST,
                   slots=SLOTS)
     chosen = [s for s in contenders(setup, binary) if servers is None or s.name in servers]
@@ -77,7 +75,7 @@ def main(quick: bool = False, servers: list[str] | None = None, only: list[str] 
         "rows": rows,
         "targets": report.targets(rows),
     }
-    # only a full run replaces the results the README shows
+    # only a full run replaces the results docs/benchmarks.md shows
     name = "latest" if not quick and servers is None and only is None else "partial"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

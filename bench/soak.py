@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.report import pyplot
 from kvserve.testing import ServerProcess, read_metrics
 
 RESULTS = Path(__file__).parent / "results"
@@ -131,11 +132,7 @@ def _write(run: SoakRun, settings: dict, warmup: int, live: float, seconds: floa
 
 
 def _chart(run: SoakRun, warmup: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([d for d, _ in run.memory], [m for _, m in run.memory], marker=".")
     ax.axvline(warmup, color="grey", linestyle=":", label="end of warm-up")

@@ -21,15 +21,18 @@ from kvserve.scheduler.scheduler import Scheduler
 _log = logging.getLogger("kvserve.engine")
 
 
+def cache_cells(asked: int, n_ctx: int) -> int:
+    """The cells the page cache may keep: at most half the context, since a cache that can fill it
+    leaves running requests room only by evicting at every step."""
+    return min(asked, n_ctx // 2)
+
+
 def _cache_cells(asked: int, n_ctx: int) -> int:
-    """The page cache may keep at most half the context: a cache that can fill it leaves running
-    requests room only by evicting at every step."""
-    most = n_ctx // 2
-    if asked > most:
+    cap = cache_cells(asked, n_ctx)
+    if cap < asked:
         _log.warning("--prefix-cache-cells %d is more than half of the %d-cell context; the cache keeps at most %d",
-                     asked, n_ctx, most)
-        return most
-    return asked
+                     asked, n_ctx, cap)
+    return cap
 
 
 def _prefix_cache(settings: Settings, ctx: Context, ids: SeqIds) -> PrefixCache:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
-from kvserve.scheduler.engine import Engine
+from kvserve.scheduler.engine import Engine, cache_cells
 from kvserve.server import prompts
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -53,7 +53,7 @@ async def server_info(request: Request) -> dict:
             "ctx_size": s.ctx_size,
             "parallel": s.parallel,
             "page_rows": s.page_rows,
-            "prefix_cache_cells": s.prefix_cache_cells,
+            "prefix_cache_cells": cache_cells(s.prefix_cache_cells, engine.pool.ctx.n_ctx),  # the cap in force
             "prefix_states": s.prefix_states,
             "prefix_state_mb": s.prefix_state_mb,
         },
