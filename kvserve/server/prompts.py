@@ -26,20 +26,9 @@ from kvserve.server.schemas import (
     ToolChoiceField,
     _Sampling,
 )
-from kvserve.tools import (
-    ChatTurn,
-    FunctionTool,
-    HistoryCall,
-    Mode,
-    ToolChoice,
-    ToolError,
-    ToolFormat,
-    ToolPlan,
-    detect_format,
-    plan_tools,
-    template_messages,
-)
-from kvserve.tools.spec import NO_PARAMETERS
+from kvserve.tools import ChatTurn, HistoryCall, ToolPlan, plan_tools, template_messages
+from kvserve.tools.formats import ToolFormat, detect_format
+from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, ToolError
 
 
 @dataclass(frozen=True)
