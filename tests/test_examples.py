@@ -12,8 +12,8 @@ from conftest import serve
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_prefix_cache_by_hand_attaches_the_system_prompt() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "prefix_cache_by_hand.py")],
+def test_prefix_cache_by_hand_attaches_the_system_prompt(tiny) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "prefix_cache_by_hand.py"), str(tiny("lfm2"))],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout

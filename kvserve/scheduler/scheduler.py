@@ -7,9 +7,11 @@ threads hand it work through `submit` and `abort`, which only append to thread-s
 Invariants:
 - a sequence's session holds exactly the tokens llama.cpp has for its seq id;
 - every admitted request ends with exactly one output carrying `usage` (or `error`), and its
-  sessions are released (donated first, when a prefix cache is on);
+  sessions are released (donated to the prefix cache first);
 - a batch never exceeds the token budget, never outruns free KV cells (the cache evicts, then
-  the newest running request is preempted), and never repeats a sequence twice.
+  the newest running request is preempted), and never repeats a sequence twice;
+- a step that decodes carries at most `prefill_chunk` prompt tokens, so a running stream's next token
+  waits for one short step, never a long prefill (stall-free batching, as Sarathi-Serve's).
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvserve.cache.kv_pool import KvPool, PoolExhausted
-from kvserve.cache.state_cache import StateCache
+from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import DecodeError, NoKvSlot
 from kvserve.llama.detokenizer import Detokenizer
-from kvserve.llama.sampler import Sampler, token_logprobs
+from kvserve.llama.sampler import Sampler, live_samplers, token_logprobs
 from kvserve.scheduler.request import Choice, Delta, FinishReason, Request, RequestOutput, Usage
 from kvserve.scheduler.snapshot import EngineSnapshot
 from kvserve.scheduler.stop_strings import StopMatcher
@@ -43,6 +45,7 @@ class SchedulerConfig:
     token_budget: int  # tokens per llama_decode (--batch-size)
     max_seq_len: int  # longest sequence one request may grow to
     queue_timeout: float = 0.0  # seconds a request may wait before its first admission; 0: forever
+    prefill_chunk: int | None = None  # most prompt tokens in a step that also decodes; None: the whole budget
 
 
 @dataclass
@@ -73,8 +76,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: KvPool, config: SchedulerConfig) -> None:
+    def __init__(self, pool: KvPool, cache: PrefixCache, config: SchedulerConfig) -> None:
         self.pool = pool
+        self.cache = cache
         self.config = config
         self.model = pool.ctx.model
         self.waiting: deque[Request] = deque()
@@ -84,6 +88,7 @@ class Scheduler:
         self._aborts: deque[tuple[str, str | None]] = deque()
         self._batch = Batch(pool.ctx.n_batch)
         self.preemptions = 0
+        self.last_progress = time.monotonic()  # when a step last evaluated tokens or ended a request
         self.snapshot = EngineSnapshot(kv_cells=pool.n_cells, free_seq_ids=pool.free_ids)
 
     # -- called from any thread --------------------------------------------------------------------
@@ -120,32 +125,23 @@ class Scheduler:
         except Exception:  # a bug must not hang every client: fail what is in flight, keep serving
             _log.exception("engine step failed; failing the requests in flight")
             self._fail({*self.running, *self.waiting}, "internal engine error", outputs)
+        if outputs or not self.has_work():
+            self.last_progress = time.monotonic()
         self.times.steps += 1
         self.times.step_seconds += time.perf_counter() - started
         self.snapshot = self._take_snapshot()
         return list(outputs.values())
 
     def _take_snapshot(self) -> EngineSnapshot:
-        cache = self.pool.cache
-        stats = cache.stats if cache is not None else None
-        states = cache if isinstance(cache, StateCache) else None
-        openings = sum(c.opening for c in states.checkpoints) if states else 0
         return EngineSnapshot(
             running=len(self.running),
             waiting=self.n_waiting,
             kv_cells=self.pool.n_cells,
             kv_used=self.pool.used_cells,
-            held_pages=cache.held_pages if cache is not None else 0,
-            queried_tokens=stats.queried_tokens if stats else 0,
-            hit_tokens=stats.hit_tokens if stats else 0,
-            evicted_pages=stats.evicted_pages if stats else 0,
             free_seq_ids=self.pool.free_ids,
-            state_bytes=states.bytes_used if states else 0,
-            opening_checkpoints=openings,
-            conversation_checkpoints=len(states.checkpoints) - openings if states else 0,
-            state_hits=states.stats.state_hits if states else 0,
-            state_evictions=states.stats.state_evictions if states else 0,
+            cache=self.cache.stats(),
             preemptions=self.preemptions,
+            live_samplers=live_samplers(),
         )
 
     def _take_inbox(self, outputs: dict[str, RequestOutput]) -> None:
@@ -176,14 +172,19 @@ class Scheduler:
         if self._running_choices() >= self.config.max_running:
             return  # no slot: skip ranking the queue, which costs a cache lookup per waiting request
         admitted: list[Request] = []
-        cache = self.pool.cache
         for request in self._admission_order():
             if self._running_choices() + self._active(request) > self.config.max_running:
+                request.blocked_on = "a free slot"
                 break
-            cached = cache.match_len(request.prompt) if cache is not None else 0
+            cached = self.cache.match_len(request.prompt)
             if self._waits_for_a_running_prefill(request, cached):
+                request.blocked_on = "a running prefill of the same prefix to donate it"
                 continue
-            if not self._fits(request, cached, outputs) or not self._start(request):
+            if not self._fits(request, cached, outputs):
+                request.blocked_on = f"KV cells for {len(request.prompt) - cached} prompt tokens"
+                break
+            if not self._start(request):
+                request.blocked_on = "a free sequence id"
                 break
             self.waiting.remove(request)
             self.running.append(request)
@@ -197,24 +198,21 @@ class Scheduler:
     def _admission_order(self) -> list[Request]:
         """Longest cached prefix first among the head of the queue; a request passed over too often
         goes first regardless, so nothing starves."""
-        cache = self.pool.cache
         window = list(self.waiting)[:ADMISSION_WINDOW]
-        if cache is None or not window:
+        if not window:
             return window
         starved = [r for r in window if r.passed_over >= STARVATION_LIMIT]
         rest = sorted((r for r in window if r.passed_over < STARVATION_LIMIT),
-                      key=lambda r: cache.match_len(r.prompt), reverse=True)  # stable: ties keep arrival order
+                      key=lambda r: self.cache.match_len(r.prompt), reverse=True)  # stable: ties keep arrival order
         return starved + rest
 
     def _waits_for_a_running_prefill(self, request: Request, cached: int) -> bool:
         """A request whose prompt shares more than a page beyond what is cached with a prompt being
         prefilled right now waits for that prefill to donate, instead of computing the same prefix."""
-        if self.pool.cache is None:
-            return False
         for other in self.running:
             first = other.choices[0]
             if first.session is not None and first.session.n_past < len(other.prompt):
-                if _common_prefix(request.prompt, other.prompt) >= cached + 2 * self.pool.page_rows:
+                if self.cache.gains_from_waiting(_common_prefix(request.prompt, other.prompt), cached):
                     return True
         return False
 
@@ -226,13 +224,14 @@ class Scheduler:
         return sum(c.finish_reason is None for c in request.choices) if request.choices else request.n
 
     def _fits(self, request: Request, cached: int, outputs: dict[str, RequestOutput]) -> bool:
-        """Room for the uncached prompt now; a prompt too big even for an empty context is failed."""
-        if self.pool.make_room(len(request.prompt) - cached + request.n):
+        """Room for the uncached prompt on top of what running requests have still to prefill (so a
+        new prompt cannot take the cells an admitted one needs); a prompt too big even for an empty
+        context is failed."""
+        if self.pool.make_room(self._unevaluated_tokens() + len(request.prompt) - cached + request.n):
             return True
         if not self.running:
-            self.waiting.remove(request)
-            outputs[request.id] = RequestOutput(request.id, [], error="the prompt does not fit in the KV cache",
-                                                status=400)
+            self._finish(request, FinishReason.ERROR, outputs, error="the prompt does not fit in the KV cache",
+                         status=400)
         return False
 
     def _start(self, request: Request) -> bool:
@@ -252,18 +251,20 @@ class Scheduler:
             for sibling in active[1:]:
                 sibling.waits_for_fork = True
             active = active[:1]
-        cache = self.pool.cache
-        if cache is not None:
-            for choice in active:
-                attached = cache.attach(choice.session, choice.tokens)
-                request.cached_tokens = max(request.cached_tokens, min(attached, len(request.prompt)))
-            if first_time and isinstance(cache, StateCache):
-                session = active[0].session
-                request.checkpoints = {
-                    position: opening for position, opening in request.stops
-                    if cache.checkpoint_at(session, request.prompt, session.n_past, position)
-                }
+        for choice in active:
+            attached = self.cache.attach(choice.session, choice.tokens)
+            request.cached_tokens = max(request.cached_tokens, min(attached, len(request.prompt)))
+        if first_time:
+            session = active[0].session
+            request.checkpoints = {
+                mark.position: mark.kind for mark in request.marks
+                if self.cache.checkpoint_at(session, request.prompt, session.n_past, mark.position)
+            }
         return True
+
+    def _unevaluated_tokens(self) -> int:
+        return sum(c.unevaluated for r in self.running for c in r.choices
+                   if c.finish_reason is None and not c.waits_for_fork)
 
     def _new_choice(self, request: Request, index: int) -> Choice:
         return Choice(
@@ -271,26 +272,35 @@ class Scheduler:
             tokens=list(request.prompt),
             sampler=Sampler(self.model, request.params),
             detokenizer=Detokenizer(self.model, special=request.special_text),
-            stop=StopMatcher(request.stop),
+            stop_matcher=StopMatcher(request.stop_strings),
         )
 
     # -- planning the batch ---------------------------------------------------------------------------
 
     def _plan(self, outputs: dict[str, RequestOutput]) -> list[_Slot]:
-        """Decode tokens first, then prompt chunks in admission order, within budget and free cells."""
+        """Decode tokens first, then prompt chunks in admission order, within budget and free cells
+        (cold cache pages are evicted for either). A step in which nothing could move sheds the newest
+        request, so running requests never wait on cells that only an idle cache or a later request holds."""
         decoding, prefilling = self._resident_slots()
         while decoding and not self.pool.make_room(len(decoding)):
             self._shed_load(outputs)
             decoding, prefilling = self._resident_slots()
         slots = decoding
-        budget = self.config.token_budget - len(decoding)
+        planned = len(decoding)
+        budget = self.config.token_budget - planned
+        if decoding and self.config.prefill_chunk is not None:
+            budget = min(budget, self.config.prefill_chunk)  # a running stream never waits through a long prefill
         for slot in prefilling:
-            room = self.pool.free_cells - sum(s.n_tokens for s in slots)
-            slot.n_tokens = min(slot.choice.unevaluated, budget, room, self._to_next_checkpoint(slot))
+            wanted = min(slot.choice.unevaluated, budget, self._to_next_checkpoint(slot))
+            self.pool.make_room(planned + wanted)
+            slot.n_tokens = min(wanted, self.pool.free_cells - planned)
             if slot.n_tokens <= 0:
                 break
             slots.append(slot)
             budget -= slot.n_tokens
+            planned += slot.n_tokens
+        if not slots and prefilling:
+            self._shed_load(outputs)
         return slots
 
     @staticmethod
@@ -349,19 +359,20 @@ class Scheduler:
             return
         finally:
             self.times.decode_seconds += time.perf_counter() - started
+        self.last_progress = time.monotonic()
         for slot in slots:
             session = slot.choice.session
             session.tokens.extend(slot.choice.tokens[session.n_past : session.n_past + slot.n_tokens])
-            self._checkpoint_if_at_stop(slot)
+            self._checkpoint_if_at_mark(slot)
         for slot in slots:
             if slot.logits_index is not None:
                 self._sample(slot.request, slot.choice, slot.logits_index, outputs)
 
-    def _checkpoint_if_at_stop(self, slot: _Slot) -> None:
+    def _checkpoint_if_at_mark(self, slot: _Slot) -> None:
         session = slot.choice.session
-        opening = slot.request.checkpoints.get(session.n_past) if slot.choice.index == 0 else None
-        if opening is not None:
-            self.pool.cache.insert(session, preview=self._preview(slot.request), opening=opening)
+        kind = slot.request.checkpoints.get(session.n_past) if slot.choice.index == 0 else None
+        if kind is not None:
+            self.cache.insert(session, session.tokens, preview=self._preview(slot.request), kind=kind)
 
     def _fail(self, requests: set[Request], message: str, outputs: dict[str, RequestOutput]) -> None:
         for request in requests:
@@ -370,11 +381,9 @@ class Scheduler:
     # -- sampling -------------------------------------------------------------------------------------
 
     def _sample(self, request: Request, choice: Choice, index: int, outputs: dict[str, RequestOutput]) -> None:
-        cache = self.pool.cache
-        if cache is not None and cache.donates_prompt and choice.session.n_past == len(request.prompt) \
-                and not choice.forked:
+        if self.cache.donates_prompt and choice.session.n_past == len(request.prompt) and not choice.forked:
             # Donate the prompt as soon as it is evaluated: requests waiting on this prefix attach it now.
-            cache.insert(choice.session, choice.session.tokens, preview=self._preview(request))
+            self.cache.insert(choice.session, choice.session.tokens, preview=self._preview(request))
         waiting_siblings = [c for c in request.choices if c.waits_for_fork]
         for sibling in waiting_siblings:  # the prompt is done: siblings share its cells from here
             self.pool.fork(choice.session, sibling.session)
@@ -397,17 +406,19 @@ class Scheduler:
         if request.logprobs is not None:
             delta.logprobs.append(token_logprobs(ctx.logits(index), token, request.logprobs))
         delta.token_ids.append(token)
-        delta.text += choice.stop.feed(choice.detokenizer.feed(token))
-        if choice.stop.stopped:
-            choice.finish_reason = delta.finish_reason = FinishReason.STOP
+        delta.text += choice.stop_matcher.feed(choice.detokenizer.feed(token))
+        if choice.stop_matcher.stopped:
+            choice.end(FinishReason.STOP)
+            delta.finish_reason = FinishReason.STOP
         elif choice.n_generated >= request.max_tokens or len(choice.tokens) >= self.config.max_seq_len:
             self._close_choice(choice, FinishReason.LENGTH, delta)
 
     @staticmethod
     def _close_choice(choice: Choice, reason: FinishReason, delta: Delta) -> None:
         """End a choice normally: text held back for a possible stop string or a split character is real."""
-        delta.text += choice.stop.feed(choice.detokenizer.flush()) + choice.stop.flush()
-        choice.finish_reason = delta.finish_reason = reason
+        delta.text += choice.stop_matcher.feed(choice.detokenizer.flush()) + choice.stop_matcher.flush()
+        choice.end(reason)
+        delta.finish_reason = reason
 
     @staticmethod
     def _delta(outputs: dict[str, RequestOutput], request: Request, choice: Choice) -> Delta:
@@ -425,7 +436,7 @@ class Scheduler:
         """Close every open choice with `reason`, give the sequences back, emit usage (or the error)."""
         for choice in request.choices:
             if choice.finish_reason is None:
-                choice.finish_reason = reason
+                choice.end(reason)
                 self._delta(outputs, request, choice).finish_reason = reason
         self._release(request, donate=reason is not FinishReason.ERROR)
         if request in self.running:
@@ -442,22 +453,41 @@ class Scheduler:
         )
 
     def _release(self, request: Request, donate: bool) -> None:
-        """Free every session of the request; with a cache, unforked ones donate what they evaluated
-        first. Forked siblings go first: their prompt cells are accounted to choice 0."""
+        """Free every session of the request; unforked ones first donate what they evaluated to the
+        cache. Forked siblings go first: their prompt cells are accounted to choice 0."""
         resident = [c for c in request.choices if c.session is not None]
         resident.sort(key=lambda c: not c.forked)
         for choice in resident:
             session = choice.session
-            if donate and self.pool.cache is not None and not choice.forked:
-                self.pool.cache.insert(session, session.tokens, preview=self._preview(request))
-            self.pool.release_kv_pages(session)
+            if donate and not choice.forked:
+                self.cache.insert(session, session.tokens, preview=self._preview(request))
+            self.pool.end_session(session)
             choice.session = None
             choice.forked = False
 
+    def describe(self) -> str:
+        """The scheduler's state in one line, for a stall report: what runs, what waits and on what."""
+        now = time.monotonic()
+        slots_full = self._running_choices() >= self.config.max_running
+        running = ", ".join(
+            f"{r.id} ({sum(c.session.n_past for c in r.choices if c.session)}/{len(r.prompt)} prompt tokens in cache)"
+            for r in self.running[:8]
+        )
+        waiting = ", ".join(
+            f"{r.id} waits {now - r.arrival:.0f}s for {'a free slot' if slots_full else r.blocked_on}"
+            for r in list(self.waiting)[:8]
+        )
+        return (f"running {len(self.running)} [{running}]; waiting {self.n_waiting} [{waiting}]; "
+                f"cells free {self.pool.free_cells} of {self.pool.n_cells}; "
+                f"held pages {self.cache.stats().held_pages}; "
+                f"free sequence ids {self.pool.free_ids}")
+
     def release_all(self) -> None:
-        """Give back every sequence without donating (shutdown)."""
+        """Give back every sequence without donating, and every sampler chain (shutdown)."""
         for request in [*self.running, *self.waiting]:
             self._release(request, donate=False)
+            for choice in request.choices:
+                choice.end(choice.finish_reason or FinishReason.ABORT)
         self.running.clear()
         self.waiting.clear()
 

@@ -100,7 +100,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     params = prompts.chat_sampling(engine.model, body, prompt.tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     job = prompts.build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl")
-    job.stops = prompt.stops
+    job.marks = prompt.marks
     job.special_text = prompt.tools is not None and prompt.tools.special_text
     shape = Shape(True, engine.settings.served_name, job, tools=prompt.tools)
     return await _respond(request, engine, shape, body.stream, body.stream_options)
@@ -209,14 +209,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.draining = False
     app.state.started = int(time.time())
     app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times,
-                                settings)
+                                lambda: app.state.engine.async_engine, settings)
     install_error_handlers(app)
     _document_400s_not_422s(app)
     app.include_router(public)
     app.include_router(api)
     app.include_router(cache_routes.router, dependencies=[Depends(require_key)], responses=_errors(400, 401, 413))
     app.include_router(worker_routes.router, dependencies=[Depends(require_key)], responses=_errors(400, 401, 413))
-    # Outermost first: the request id is set before anything can log or answer.
+    # The last added runs outermost: RequestId wraps BodyLimit, so the id is set before anything logs or answers.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     app.add_middleware(RequestId)
     return app

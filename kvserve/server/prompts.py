@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 from pydantic import ValidationError
 
-from kvserve.cache.chat_marks import mark_messages
+from kvserve.cache.chat_marks import Mark, mark_messages
 from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
@@ -34,7 +34,7 @@ from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, To
 @dataclass(frozen=True)
 class ChatPrompt:
     tokens: list[int]
-    stops: list[tuple[int, bool]]  # for a model that carries state: the stops worth a checkpoint
+    marks: list[Mark]  # for a model that carries state: the marks worth a checkpoint
     tools: ToolPlan | None  # how the reply calls tools; None: it is plain text
 
 
@@ -95,7 +95,7 @@ def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionReques
     try:
         if model.info.carries_state:
             turn = mark_messages(model, template, messages)
-            return ChatPrompt(turn.tokens, turn.stops(), plan)
+            return ChatPrompt(turn.tokens, turn.checkpoint_marks(), plan)
         return ChatPrompt(text_tokens(model, template.render(messages), template.bos_token), [], plan)
     except ChatTemplateError as exc:
         raise invalid(str(exc), "messages") from exc
@@ -213,7 +213,7 @@ def build_request(
         params=params,
         max_tokens=min(body.token_limit or room, room),
         n=body.n,
-        stop=body.stop,
+        stop_strings=body.stop,
         logprobs=logprobs,
         ignore_eos=body.ignore_eos,
     )
