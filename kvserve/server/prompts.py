@@ -87,9 +87,14 @@ def _tool_choice(choice: ToolChoiceField | None) -> ToolChoice:
 def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> ChatPrompt:
     """The prompt of a chat body, with the tools it may call: the same for serving and for the
     routes that only look at prompts."""
-    fmt = detect_format(template.source)
-    plan = chat_tools(model, fmt, body)
-    messages = template_messages(fmt, chat_turns(body))
+    return turns_prompt(model, template, chat_turns(body), chat_tools(model, detect_format(template.source), body))
+
+
+def turns_prompt(model: Model, template: ChatTemplate, turns: list[ChatTurn], plan: ToolPlan | None,
+                 param: str = "messages") -> ChatPrompt:
+    """The prompt of a conversation (any API's, as turns) whose reply may call tools by `plan`;
+    a template that refuses it is a 400 naming `param`."""
+    messages = template_messages(detect_format(template.source), turns)
     if plan is not None:
         template, messages = plan.template(template), plan.prompt_messages(messages)
     try:
@@ -98,7 +103,7 @@ def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionReques
             return ChatPrompt(turn.tokens, turn.checkpoint_marks(), plan)
         return ChatPrompt(text_tokens(model, template.render(messages), template.bos_token), [], plan)
     except ChatTemplateError as exc:
-        raise invalid(str(exc), "messages") from exc
+        raise invalid(str(exc), param) from exc
 
 
 def text_tokens(model: Model, text: str, bos_text: str = "") -> list[int]:
@@ -180,9 +185,15 @@ def chat_sampling(model: Model, body: ChatCompletionRequest, tools: ToolPlan | N
     """A chat's sampling: constrained by its tool grammar, or by its response_format."""
     if tools is None:
         return sampling_params(model, body, grammar_for(body.response_format))
+    return with_tool_grammar(model, sampling_params(model, body, None), tools)
+
+
+def with_tool_grammar(model: Model, params: SamplingParams, tools: ToolPlan) -> SamplingParams:
+    """`params` constrained by the tool plan's grammar (lazy where it has triggers); a grammar
+    llama.cpp rejects is a 400 naming `tools`."""
     grammar = tools.grammar
-    params = replace(sampling_params(model, body, None), grammar=grammar.gbnf,
-                     grammar_trigger_patterns=grammar.trigger_patterns, grammar_trigger_tokens=grammar.trigger_tokens)
+    params = replace(params, grammar=grammar.gbnf, grammar_trigger_patterns=grammar.trigger_patterns,
+                     grammar_trigger_tokens=grammar.trigger_tokens)
     _check_grammar(model, params, "tools")
     return params
 
