@@ -38,8 +38,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir: Path):
-    """tiny("llama") -> path of a tiny random-weight GGUF of that arch (written once per session)."""
-    return lambda arch: tiny_model(arch, tiny_dir)
+    """tiny("llama") -> path of a tiny random-weight GGUF of that arch (written once per session);
+    tiny("llama", "hermes") carries that chat template (kvserve.testing.tiny_models.TEMPLATES)."""
+    return lambda arch, template=None: tiny_model(arch, tiny_dir, template)
 
 
 def settings(model: Path, **overrides) -> Settings:

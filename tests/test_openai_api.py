@@ -376,13 +376,21 @@ def test_malformed_json(base_url: str) -> None:
 
 
 def test_prompt_longer_than_a_sequence(base_url: str) -> None:
+    """OpenAI's code and wording, which LiteLLM and LangChain match to trim the history and retry."""
     limit = httpx.get(f"{base_url}/v1/models").json()["data"][0]["max_model_len"]
     text = "hello " * limit  # about one token a word
-    chat = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]},
-                      timeout=30)
-    assert str(limit) in assert_openai_error(chat, "messages")["message"]
+    messages = [{"role": "user", "content": text}]
+    chat = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": messages}, timeout=30)
+    n_chat = httpx.post(f"{base_url}/v1/chat/completions/render", json={"messages": messages}, timeout=30)
+    error = assert_openai_error(chat, "messages")
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"].startswith(
+        f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+        f"{len(n_chat.json()['token_ids'])} tokens"), error["message"]
     completion = httpx.post(f"{base_url}/v1/completions", json={"prompt": text}, timeout=30)
-    assert str(limit) in assert_openai_error(completion, "prompt")["message"]
+    error = assert_openai_error(completion, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"].startswith(f"This model's maximum context length is {limit} tokens. However, your prompt")
 
 
 def test_openai_client_raises_bad_request(client: openai.OpenAI) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from datetime import datetime
@@ -45,7 +46,9 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = _tojson
+        self.source = source
         self._template = env.from_string(source)
+        self._tools: list[dict[str, Any]] | None = None
         self.bos_token = bos_token
         self.eos_token = eos_token
 
@@ -56,6 +59,13 @@ class ChatTemplate:
             bos_token=model.token_text(model.bos) if model.bos >= 0 else "",
             eos_token=model.token_text(model.eos) if model.eos >= 0 else "",
         )
+
+    def with_tools(self, tools: list[dict[str, Any]]) -> "ChatTemplate":
+        """This template with `tools` (OpenAI's function tool objects) in its context, as templates
+        that describe tools themselves expect them."""
+        bound = copy.copy(self)
+        bound._tools = tools
+        return bound
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt text; rendering stops with ChatTemplateError past RENDER_MAX_CHARS or
@@ -69,6 +79,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **({"tools": self._tools} if self._tools else {}),
             ):
                 pieces.append(piece)
                 size += len(piece)

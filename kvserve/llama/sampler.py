@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 from dataclasses import dataclass, field
@@ -25,6 +26,10 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: str | None = None  # GBNF, root rule "root"
+    # A lazy grammar: free until a pattern (ECMAScript regex over the generated text; the grammar
+    # starts at its first group) or a token fires. Empty: the grammar holds from the first token.
+    grammar_trigger_patterns: tuple[str, ...] = ()
+    grammar_trigger_tokens: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -105,10 +110,7 @@ def _stages(model: Model, p: SamplingParams) -> list[llama_cpp.llama_sampler_p]:
     n_vocab = model.info.n_vocab
     stages = []
     if p.grammar is not None:
-        grammar = llama_cpp.llama_sampler_init_grammar(model.vocab, p.grammar.encode(), b"root")
-        if not grammar:
-            raise GrammarError("llama.cpp could not parse the grammar")
-        stages.append(grammar)
+        stages.append(_grammar(model, p))
     if p.logit_bias:
         biases = (llama_cpp.llama_logit_bias * len(p.logit_bias))(
             *(llama_cpp.llama_logit_bias(token, bias) for token, bias in p.logit_bias.items())
@@ -134,6 +136,20 @@ def _stages(model: Model, p: SamplingParams) -> list[llama_cpp.llama_sampler_p]:
     seed = p.seed if p.seed is not None else random.getrandbits(32)
     stages.append(llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
     return stages
+
+
+def _grammar(model: Model, p: SamplingParams) -> llama_cpp.llama_sampler_p:
+    if p.grammar_trigger_patterns or p.grammar_trigger_tokens:
+        patterns = (ctypes.c_char_p * len(p.grammar_trigger_patterns))(*(t.encode() for t in p.grammar_trigger_patterns))
+        tokens = (llama_cpp.llama_token * len(p.grammar_trigger_tokens))(*p.grammar_trigger_tokens)
+        grammar = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+            model.vocab, p.grammar.encode(), b"root", patterns, len(p.grammar_trigger_patterns),
+            tokens, len(p.grammar_trigger_tokens))
+    else:
+        grammar = llama_cpp.llama_sampler_init_grammar(model.vocab, p.grammar.encode(), b"root")
+    if not grammar:
+        raise GrammarError("llama.cpp could not parse the grammar")
+    return grammar
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ class Admission:
             index=index,
             tokens=list(request.prompt),
             sampler=Sampler(model, request.params),
-            detokenizer=Detokenizer(model),
+            detokenizer=Detokenizer(model, special=request.special_text),
             stop_matcher=StopMatcher(request.stop_strings),
         )
 

@@ -33,6 +33,7 @@ class Request:
     logprobs: int | None = None  # how many alternatives per token; None: no logprobs at all
     ignore_eos: bool = False  # generate max_tokens regardless (benchmarks)
     marks: list[Mark] = field(default_factory=list)  # where a chat prompt's prefill may stop for a checkpoint
+    special_text: bool = False  # the text spells out special tokens (a tool-call marker may be one)
     arrival: float = field(default_factory=time.monotonic)
 
     choices: list["Choice"] = field(default_factory=list)

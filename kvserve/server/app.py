@@ -96,13 +96,14 @@ async def models(request: Request) -> dict:
 @api.post("/chat/completions", dependencies=[Depends(_accepting)], responses=_GENERATION)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
-    prompt, marks = await asyncio.to_thread(prompts.chat_prompt, engine.model, engine.template, body)
-    grammar = prompts.grammar_for(body.response_format)
-    params = prompts.sampling_params(engine.model, body, grammar)
+    prompt = await asyncio.to_thread(prompts.chat_prompt, engine.model, engine.template, body)
+    params = prompts.chat_sampling(engine.model, body, prompt.tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    job = prompts.build_request(prompt, body, params, logprobs, engine.scheduler.config, "chatcmpl")
-    job.marks = marks
-    return await _respond(request, engine, Shape(True, engine.settings.served_name, job), body.stream, body.stream_options)
+    job = prompts.build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl")
+    job.marks = prompt.marks
+    job.special_text = prompt.tools is not None and prompt.tools.special_text
+    shape = Shape(True, engine.settings.served_name, job, tools=prompt.tools)
+    return await _respond(request, engine, shape, body.stream, body.stream_options)
 
 
 @api.post("/v1/completions", dependencies=[Depends(_accepting)], responses=_GENERATION)

@@ -29,6 +29,17 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def context_length_exceeded(limit: int, prompt_tokens: int, param: str) -> APIError:
+    """OpenAI's wording and code: LiteLLM and LangChain match on them to trim the history and retry."""
+    what = "messages" if param == "messages" else "prompt"
+    return APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, your {what} resulted in "
+        f"{prompt_tokens} tokens, which leaves no room for the completion. Please reduce the length of the {what}.",
+        param=param, code="context_length_exceeded",
+    )
+
+
 def engine_error(message: str, status: int) -> APIError:
     """A request the engine ended with an error: the client's fault below 500, the server's above."""
     return APIError(status, message, type="invalid_request_error" if status < 500 else "server_error")

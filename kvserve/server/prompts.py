@@ -6,6 +6,8 @@ import asyncio
 import json
 import uuid
 
+from dataclasses import dataclass, replace
+
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 from pydantic import ValidationError
 
@@ -15,26 +17,93 @@ from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.config import SchedulerConfig
-from kvserve.server.errors import invalid, invalid_body
-from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat, _Sampling
+from kvserve.server.errors import context_length_exceeded, invalid, invalid_body
+from kvserve.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolChoiceField,
+    _Sampling,
+)
+from kvserve.tools import ChatTurn, HistoryCall, ToolPlan, plan_tools, template_messages
+from kvserve.tools.formats import ToolFormat, detect_format
+from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, ToolError
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+@dataclass(frozen=True)
+class ChatPrompt:
+    tokens: list[int]
+    marks: list[Mark]  # for a model that carries state: the marks worth a checkpoint
+    tools: ToolPlan | None  # how the reply calls tools; None: it is plain text
+
+
+def chat_turns(body: ChatCompletionRequest) -> list[ChatTurn]:
     # Templates know system/user/assistant; OpenAI's newer "developer" role is a system message.
     return [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+        ChatTurn(
+            role="system" if m.role == "developer" else m.role,
+            content=m.text(),
+            tool_calls=tuple(HistoryCall(c.id, c.function.name, c.function.arguments_text) for c in m.tool_calls or ()),
+            tool_call_id=m.tool_call_id,
+        )
+        for m in body.messages
     ]
 
 
-def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> tuple[list[int], list[Mark]]:
-    """The prompt tokens and, for a model that carries state, the marks worth a checkpoint."""
+def chat_tools(model: Model, fmt: ToolFormat, body: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool plan; a 400 naming the field for tools or a choice that cannot be served."""
+    if body.tools is None:
+        if body.tool_choice is not None:
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return None
+    tools = [
+        FunctionTool(name=t.function.name, parameters=t.function.parameters or dict(NO_PARAMETERS),
+                     description=t.function.description, strict=bool(t.function.strict), param=f"tools[{i}].function")
+        for i, t in enumerate(body.tools)
+    ]
+    choice = _tool_choice(body.tool_choice)
+    formatted = body.response_format is not None and body.response_format.type != "text"
+    if formatted and choice.mode is not Mode.NONE:
+        raise invalid("response_format cannot be combined with tools unless tool_choice is none", "response_format")
+    try:
+        plan = plan_tools(fmt, model, tools, choice, body.parallel_tool_calls)
+    except ToolError as exc:
+        raise invalid(str(exc), exc.param) from exc
+    return None if formatted else plan  # tool_choice none: the response_format grammar shapes the reply
+
+
+def _tool_choice(choice: ToolChoiceField | None) -> ToolChoice:
+    if choice is None:
+        return ToolChoice(Mode.AUTO)
+    if isinstance(choice, str):
+        return ToolChoice(Mode(choice))
+    if isinstance(choice, NamedToolChoice):
+        return ToolChoice(Mode.REQUIRED, (choice.function.name,))
+    allowed = choice.allowed_tools
+    return ToolChoice(Mode(allowed.mode), tuple(t.function.name for t in allowed.tools))
+
+
+def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> ChatPrompt:
+    """The prompt of a chat body, with the tools it may call: the same for serving and for the
+    routes that only look at prompts."""
+    return turns_prompt(model, template, chat_turns(body), chat_tools(model, detect_format(template.source), body))
+
+
+def turns_prompt(model: Model, template: ChatTemplate, turns: list[ChatTurn], plan: ToolPlan | None,
+                 param: str = "messages") -> ChatPrompt:
+    """The prompt of a conversation (any API's, as turns) whose reply may call tools by `plan`;
+    a template that refuses it is a 400 naming `param`."""
+    messages = template_messages(detect_format(template.source), turns)
+    if plan is not None:
+        template, messages = plan.template(template), plan.prompt_messages(messages)
     try:
         if model.info.carries_state:
-            turn = mark_messages(model, template, chat_messages(body))
-            return turn.tokens, turn.checkpoint_marks()
-        return text_tokens(model, template.render(chat_messages(body)), template.bos_token), []
+            turn = mark_messages(model, template, messages)
+            return ChatPrompt(turn.tokens, turn.checkpoint_marks(), plan)
+        return ChatPrompt(text_tokens(model, template.render(messages), template.bos_token), [], plan)
     except ChatTemplateError as exc:
-        raise invalid(str(exc), "messages") from exc
+        raise invalid(str(exc), param) from exc
 
 
 def text_tokens(model: Model, text: str, bos_text: str = "") -> list[int]:
@@ -63,8 +132,7 @@ async def prompt_tokens(
     """The tokens a chat or completion body is served with, for the endpoints that only look at
     prompts (prefix match, tokenize, render): the same functions as the real request path."""
     if isinstance(body, ChatCompletionRequest):
-        tokens, _ = await asyncio.to_thread(chat_prompt, model, template, body)
-        return tokens
+        return (await asyncio.to_thread(chat_prompt, model, template, body)).tokens
     return await asyncio.to_thread(completion_prompt, model, body)
 
 
@@ -109,16 +177,33 @@ def sampling_params(model: Model, body: _Sampling, grammar: str | None) -> Sampl
         grammar=grammar,
     )
     if grammar is not None:
-        _check_grammar(model, params)
+        _check_grammar(model, params, "response_format")
     return params
 
 
-def _check_grammar(model: Model, params: SamplingParams) -> None:
+def chat_sampling(model: Model, body: ChatCompletionRequest, tools: ToolPlan | None) -> SamplingParams:
+    """A chat's sampling: constrained by its tool grammar, or by its response_format."""
+    if tools is None:
+        return sampling_params(model, body, grammar_for(body.response_format))
+    return with_tool_grammar(model, sampling_params(model, body, None), tools)
+
+
+def with_tool_grammar(model: Model, params: SamplingParams, tools: ToolPlan) -> SamplingParams:
+    """`params` constrained by the tool plan's grammar (lazy where it has triggers); a grammar
+    llama.cpp rejects is a 400 naming `tools`."""
+    grammar = tools.grammar
+    params = replace(params, grammar=grammar.gbnf, grammar_trigger_patterns=grammar.trigger_patterns,
+                     grammar_trigger_tokens=grammar.trigger_tokens)
+    _check_grammar(model, params, "tools")
+    return params
+
+
+def _check_grammar(model: Model, params: SamplingParams, param: str) -> None:
     """Build the chain once here, so a grammar llama.cpp rejects is a 400, not an engine fault."""
     try:
         Sampler(model, params).close()
     except GrammarError as exc:
-        raise invalid(str(exc), "response_format") from exc
+        raise invalid(str(exc), param) from exc
 
 
 def build_request(
@@ -132,11 +217,7 @@ def build_request(
         raise invalid("the prompt is empty", "messages" if prefix == "chatcmpl" else "prompt")
     room = max_seq_len - len(prompt)
     if room < 1:
-        raise invalid(
-            f"the prompt has {len(prompt)} tokens, but this server's limit is {max_seq_len - 1} prompt tokens "
-            f"({max_seq_len} per sequence)",
-            "messages" if prefix == "chatcmpl" else "prompt",
-        )
+        raise context_length_exceeded(max_seq_len, len(prompt), "messages" if prefix == "chatcmpl" else "prompt")
     return Request(
         id=f"{prefix}-{uuid.uuid4().hex}",
         prompt=prompt,

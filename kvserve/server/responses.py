@@ -12,6 +12,7 @@ from kvserve.llama.model import Model
 from kvserve.llama.sampler import TokenLogprobs
 from kvserve.scheduler.request import Delta, Request, RequestOutput, Usage
 from kvserve.server.errors import engine_error, error_body
+from kvserve.tools import CallStarted, ContentDelta, ToolCallParser, ToolEvent, ToolPlan
 
 
 def sse(data: dict | str) -> str:
@@ -34,6 +35,7 @@ class Shape:
     chat: bool
     model_name: str
     request: Request
+    tools: ToolPlan | None = None  # a chat whose reply may call tools
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -114,11 +116,12 @@ async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs:
     body_choices = []
     for index, c in enumerate(choices):
         if shape.chat:
+            message, reason = _chat_message(c.text, c.finish_reason, shape.tools)
             entry = {
                 "index": index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": {"content": logprobs.chat(c.logprobs)} if want_logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": reason,
             }
         else:
             entry = {
@@ -129,6 +132,23 @@ async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs:
             }
         body_choices.append(entry)
     return {**shape.head(), "choices": body_choices, "usage": usage_body(usage)}
+
+
+def _chat_message(text: str, reason: str | None, tools: ToolPlan | None) -> tuple[dict, str | None]:
+    """The assistant message of a whole reply and its finish reason; read by the same parser as a
+    stream, so both agree whatever the split."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, reason
+    parser = tools.parser()
+    parser.feed(text)
+    parser.finish()
+    calls = parser.calls
+    message: dict = {"role": "assistant", "content": parser.content or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        ]
+    return message, parser.finish_reason(reason) if reason else reason
 
 
 async def stream(
@@ -142,12 +162,16 @@ async def stream(
             delta = {"role": "assistant", "content": ""}
             yield sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra})
     offsets = [logprobs.offsets() for _ in range(shape.request.n)]
+    parsers = [shape.tools.parser() for _ in range(shape.request.n)] if shape.tools else []
     async for output in outputs:
         if output.error is not None:
             yield sse(error_body(output.error, type="server_error"))
             break
         for delta in output.deltas:
-            if delta.text or delta.finish_reason is not None or delta.logprobs:
+            if parsers:
+                for choice in _tool_chunk_choices(shape, delta, logprobs, parsers[delta.index]):
+                    yield sse({**head, "choices": [choice], **extra})
+            elif delta.text or delta.finish_reason is not None or delta.logprobs:
                 choice = _chunk_choice(shape, delta, logprobs, offsets)
                 yield sse({**head, "choices": [choice], **extra})
         if output.usage is not None and include_usage:
@@ -164,3 +188,30 @@ def _chunk_choice(shape: Shape, delta: Delta, logprobs: LogprobFormatter, offset
                 "finish_reason": reason}
     lp = logprobs.text(delta.logprobs, offsets[delta.index]) if want else None
     return {"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": reason}
+
+
+def _tool_chunk_choices(shape: Shape, delta: Delta, logprobs: LogprobFormatter, parser: ToolCallParser) -> list[dict]:
+    """One chunk per event the parser found in this delta: content, a call's head (id, type and
+    whole name, once), or a fragment of its arguments. Logprobs ride on the first chunk, the
+    finish reason on the last."""
+    events = parser.feed(delta.text) + (parser.finish() if delta.finish_reason is not None else [])
+    bodies = [_event_delta(event) for event in events]
+    if not bodies and (delta.finish_reason is not None or delta.logprobs):
+        bodies = [{}]
+    want = shape.request.logprobs is not None
+    choices = [{"index": delta.index, "delta": body, "logprobs": None, "finish_reason": None} for body in bodies]
+    if choices and want:
+        choices[0]["logprobs"] = {"content": logprobs.chat(delta.logprobs)}
+    if choices and delta.finish_reason is not None:
+        choices[-1]["finish_reason"] = parser.finish_reason(delta.finish_reason.value)
+    return choices
+
+
+def _event_delta(event: ToolEvent) -> dict:
+    if isinstance(event, ContentDelta):
+        return {"content": event.text}
+    if isinstance(event, CallStarted):
+        head = {"index": event.index, "id": event.id, "type": "function",
+                "function": {"name": event.name, "arguments": ""}}
+        return {"tool_calls": [head]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}

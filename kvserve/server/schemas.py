@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+import json
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
+
+from kvserve.tools.spec import NAME_PATTERN
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -32,10 +36,42 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"  # OpenAI sends JSON text; a few clients send the object
+
+    @property
+    def arguments_text(self) -> str:
+        return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments, ensure_ascii=False)
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_given(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("tool_call_id must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "Message":
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -64,6 +100,42 @@ class ResponseFormat(_Body):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format of type json_schema needs a json_schema object")
         return self
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=NAME_PATTERN.pattern)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON schema of the arguments; none: no arguments
+    strict: bool | None = None  # accepted; kvserve enforces every tool's schema by grammar
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class AllowedTools(_Body):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Body):
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoiceField = Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedToolsChoice]
+_CHOICE_OBJECT: TypeAdapter = TypeAdapter(
+    Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(discriminator="type")])
 
 
 class _Sampling(_Body):
@@ -112,6 +184,34 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = Field(None, min_length=1)
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: bool = True
+    # The pre-tools form of function calling: refused rather than ignored, and left out of the
+    # OpenAPI document, which describes what is served.
+    functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    function_call: SkipJsonSchema[Union[str, dict[str, Any], None]] = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_object(cls, value: Any) -> Any:
+        """An object choice is told apart by its type, so its error names what is wrong in it
+        rather than that it is not one of the strings."""
+        if not isinstance(value, dict):
+            return value
+        try:
+            return _CHOICE_OBJECT.validate_python(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"][1:])
+            raise ValueError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _legacy_functions(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("functions and function_call are not supported: send tools and tool_choice")
+        return None
 
     @property
     def token_limit(self) -> int | None:

@@ -12,8 +12,17 @@ The tensor sets mirror what the pinned llama.cpp loader creates for each
 arch (src/llama-model.cpp); a missing or extra tensor fails the load with
 "wrong number of tensors".
 
-Public API: write_tiny_model(arch, path, seed) and the per-directory cache
-tiny_model(arch, directory), for arch in ARCHS.
+Chat templates: SmolLM2's own (which knows nothing of tools), or one of
+TEMPLATES, written here in the style of two tool-calling families so that
+format detection and tool grammars run on real llama.cpp: "hermes" (Hermes 2
+Pro / Qwen 2.5: calls in <tool_call> tags, which this model's vocabulary holds
+as single control tokens, as a Qwen or Mistral vocabulary holds its markers)
+and "llama3" (Llama 3.1: the reply is the call's JSON, results come back as
+ipython messages).
+
+Public API: write_tiny_model(arch, path, seed, template) and the per-directory
+cache tiny_model(arch, directory, template), for arch in ARCHS and template in
+TEMPLATES (or None).
 """
 
 from __future__ import annotations
@@ -80,6 +89,92 @@ def _tokenizer_fields() -> tuple[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFVa
     if n_tokens != _N_VOCAB:
         raise RuntimeError(f"SmolLM2 vocabulary has {n_tokens} tokens, expected {_N_VOCAB}")
     return tuple(fields)
+
+
+_HERMES_TEMPLATE = """\
+{% if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set messages = messages[1:] %}\
+{% else %}{% set system = '' %}{% endif %}
+{% if tools %}<|im_start|>system
+{% if system %}{{ system }}
+
+{% endif %}You can call functions. Their signatures are within <tools></tools>:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+For each call, reply with a JSON object in tags:
+<tool_call>
+{"name": <function name>, "arguments": <arguments object>}
+</tool_call><|im_end|>
+{% elif system %}<|im_start|>system
+{{ system }}<|im_end|>
+{% endif %}
+{% for message in messages %}
+{% if message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}
+{% endif %}{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+_LLAMA3_TEMPLATE = """\
+{{ bos_token }}{% if messages[0].role == 'system' %}{% set system = messages[0].content %}\
+{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}
+<|start_header_id|>system<|end_header_id|>
+
+{% if tools %}Environment: ipython
+{% endif %}{{ system }}<|eot_id|>
+{% for message in messages %}
+{% if message.role == 'user' and loop.last and tools %}<|start_header_id|>user<|end_header_id|>
+
+Given the following functions, reply with a JSON function call: {"name": function name, "parameters": \
+object of argument names and values}.
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}
+{{ message.content }}<|eot_id|>
+{% elif message.role == 'assistant' and message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
+
+{% for call in message.tool_calls %}{"name": "{{ call.function.name }}", "parameters": \
+{{ call.function.arguments | tojson }}}{% endfor %}<|eot_id|>
+{% elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{% else %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+TEMPLATES: dict[str, str] = {"hermes": _HERMES_TEMPLATE, "llama3": _LLAMA3_TEMPLATE}
+# The hermes model's vocabulary spells its markers as single control tokens, in place of two of
+# SmolLM2's unused ones.
+_HERMES_TOKENS = {4: "<tool_call>", 5: "</tool_call>"}
+
+
+def _tokenizer_with_template(template: str | None) -> list[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
+    fields = list(_tokenizer_fields())
+    if template is None:
+        return fields
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; expected one of {tuple(TEMPLATES)}")
+    for i, (key, value, vtype, sub_type) in enumerate(fields):
+        if key == "tokenizer.chat_template":
+            fields[i] = (key, TEMPLATES[template], vtype, sub_type)
+        elif key == "tokenizer.ggml.tokens" and template == "hermes":
+            fields[i] = (key, [_HERMES_TOKENS.get(t, text) for t, text in enumerate(value)], vtype, sub_type)
+    return fields
 
 
 def _common_hparams(w: gguf.GGUFWriter, n_layer: int) -> None:
@@ -216,13 +311,14 @@ def _tensor_data(name: str, shape: tuple[int, ...], init: Init, rng: np.random.G
     return data.astype(np.float16 if name in _F16_TENSORS else np.float32)
 
 
-def write_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
-    """Write a tiny random-weight GGUF model of `arch` to `path` and return it."""
+def write_tiny_model(arch: str, path: Path, seed: int = 0, template: str | None = None) -> Path:
+    """Write a tiny random-weight GGUF model of `arch` to `path` and return it; `template` names
+    one of TEMPLATES to carry instead of SmolLM2's own."""
     if arch not in _BUILDERS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"tiny-{arch}")
-    for key, value, vtype, sub_type in _tokenizer_fields():
+    for key, value, vtype, sub_type in _tokenizer_with_template(template):
         w.add_key_value(key, value, vtype, sub_type)
     rng = np.random.default_rng(seed)
     for name, shape, init in _BUILDERS[arch](w):
@@ -234,13 +330,14 @@ def write_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
-def tiny_model(arch: str, directory: Path) -> Path:
-    """Path of `arch`'s tiny model in `directory`, written on first use."""
-    path = directory / f"tiny-{arch}.gguf"
+def tiny_model(arch: str, directory: Path, template: str | None = None) -> Path:
+    """Path of `arch`'s tiny model (with `template`) in `directory`, written on first use."""
+    name = f"tiny-{arch}" + (f"-{template}" if template else "")
+    path = directory / f"{name}.gguf"
     if not path.exists():
         # Write under a unique name, then rename: a concurrent reader never
         # sees a half-written file.
-        partial = directory / f".tiny-{arch}.{os.getpid()}.gguf"
-        write_tiny_model(arch, partial)
+        partial = directory / f".{name}.{os.getpid()}.gguf"
+        write_tiny_model(arch, partial, template=template)
         partial.replace(path)
     return path

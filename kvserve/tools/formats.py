@@ -1,0 +1,33 @@
+"""Which tool-call syntax a model was trained on, read from its own chat template (as llama.cpp's
+common/chat.cpp and vLLM's tool parsers do)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ToolFormat(str, enum.Enum):
+    HERMES = "hermes"  # Hermes 2 Pro, Qwen 2.5/3: <tool_call>{"name": ..., "arguments": ...}</tool_call>
+    LLAMA3 = "llama3"  # Llama 3.1-3.3: the whole reply is {"name": ..., "parameters": ...}
+    MISTRAL = "mistral"  # Mistral v3 and Nemo: [TOOL_CALLS][{"name": ..., "arguments": ...}, ...]
+    GENERIC = "generic"  # a template that knows nothing of tools: kvserve describes them itself
+
+    @property
+    def opening(self) -> str | None:
+        """The text that opens the calls; None where the calls are the reply itself."""
+        return {ToolFormat.HERMES: "<tool_call>", ToolFormat.MISTRAL: "[TOOL_CALLS]"}.get(self)
+
+    @property
+    def arguments_key(self) -> str:
+        return "parameters" if self is ToolFormat.LLAMA3 else "arguments"
+
+
+def detect_format(template_source: str) -> ToolFormat:
+    if "[TOOL_CALLS]" in template_source:
+        return ToolFormat.MISTRAL
+    if "<tool_call>" in template_source:
+        return ToolFormat.HERMES
+    # Llama 3.0's template has the headers too, but no ipython role: it was not trained for tools.
+    if "<|start_header_id|>" in template_source and "ipython" in template_source:
+        return ToolFormat.LLAMA3
+    return ToolFormat.GENERIC

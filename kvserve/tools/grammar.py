@@ -1,0 +1,154 @@
+"""GBNF for tool calls: the tools' schemas through the converter `response_format` uses, wrapped in
+each format's call syntax.
+
+A lazy grammar (`auto` on a format with an opening marker) waits for its trigger; llama.cpp then
+replays the text from the trigger's first group to the end of what was generated into the grammar,
+and a replay the grammar rejects aborts the process. So each trigger pattern matches only where the
+text after the marker is a prefix the grammar accepts: the marker, then a prefix of the fixed
+opening of a call, then the end of the text.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from llama_cpp.llama_grammar import SchemaConverter, json_schema_to_gbnf
+
+from kvserve.tools.formats import ToolFormat
+from kvserve.tools.spec import FunctionTool, ToolError
+
+# Whitespace the wrappers allow around a call, bounded so a weak model cannot stall in it.
+_WS_RULE = "ws ::= [ \\t\\n]? [ \\t\\n]?"
+_WS_REGEX = "[ \\t\\n]{0,2}"
+# The pinned converter lets a string hold raw control characters, which JSON forbids: arguments
+# would not parse. A string character is anything but a quote, a backslash or a control character.
+_JSON_CHAR = re.compile(r"^char ::= .*$", re.MULTILINE)
+_STRICT_JSON_CHAR = (r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] '
+                     r'[0-9a-fA-F])')
+_REGEX_SYNTAX = re.compile(r"([\\^$.*+?()\[\]{}|/])")
+
+
+@dataclass(frozen=True)
+class ToolGrammar:
+    """A GBNF grammar (root rule `root`); with triggers it is lazy: free until one fires."""
+
+    gbnf: str
+    trigger_patterns: tuple[str, ...] = ()
+    trigger_tokens: tuple[int, ...] = ()
+
+    @property
+    def lazy(self) -> bool:
+        return bool(self.trigger_patterns or self.trigger_tokens)
+
+
+def check_parameters(tool: FunctionTool) -> None:
+    """A schema the converter cannot express is the client's error, named at the tool."""
+    try:
+        json_schema_to_gbnf(json.dumps(tool.parameters))
+    except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
+        raise ToolError(f"unsupported parameters schema for {tool.name}: {exc}", f"{tool.param}.parameters") from exc
+
+
+def tool_grammar(fmt: ToolFormat, tools: list[FunctionTool], *, required: bool, parallel: bool,
+                 opening_token: int | None) -> ToolGrammar:
+    """The grammar for calls to `tools` in `fmt`: from the first token when `required` (or in the
+    generic mode, where the reply is always one JSON object), else lazily from the opening marker."""
+    for tool in tools:
+        check_parameters(tool)
+    if fmt is ToolFormat.GENERIC:
+        rules, reply = _converted(tools, fmt.arguments_key, "reply",
+                                  lambda call: _generic_reply(call, required, parallel))
+        return ToolGrammar(f"root ::= {reply}\n{rules}")
+    assert tools, "a format with call syntax needs a tool to call"
+    rules, call = _converted(tools, fmt.arguments_key, "call", lambda call: call)
+    gbnf = f"root ::= {_wrapped_root(fmt, call, parallel)}\n{_WS_RULE}\n{rules}"
+    if required:
+        return ToolGrammar(gbnf)
+    return ToolGrammar(gbnf, (_trigger_pattern(fmt),), (opening_token,) if opening_token is not None else ())
+
+
+def _converted(tools: list[FunctionTool], arguments_key: str, top: str,
+               wrap: Callable[[dict | None], dict]) -> tuple[str, str]:
+    """The converter's rules for `wrap(one call object)` and the name of its top rule (`top`, or
+    a variant of it)."""
+    converter = SchemaConverter(prop_order={"name": 0, arguments_key: 1}, allow_fetch=False, dotall=False,
+                                raw_pattern=False)
+    calls = []
+    for i, tool in enumerate(tools):
+        # Each tool's $refs point into its own schema: resolve them there, under names of its own.
+        parameters = converter.resolve_refs(_namespaced(tool.parameters, f"t{i}-"), f"tool{i}")
+        calls.append({"type": "object", "properties": {"name": {"const": tool.name}, arguments_key: parameters},
+                      "required": ["name", arguments_key]})
+    call = (calls[0] if len(calls) == 1 else {"anyOf": calls}) if calls else None
+    top = converter.visit(wrap(call), top)
+    return _JSON_CHAR.sub(lambda _: _STRICT_JSON_CHAR, converter.format_grammar()), top
+
+
+def _generic_reply(call: dict | None, required: bool, parallel: bool) -> dict:
+    """`{"tool_calls": [call, ...]}` (unless no tool may be called), or (unless required)
+    `{"response": "..."}`."""
+    answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
+    if call is None:
+        return answer
+    calls = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    with_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]}
+    return with_calls if required else {"anyOf": [with_calls, answer]}
+
+
+def _namespaced(schema: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A copy whose local definitions (and the refs to them) carry `prefix`: the converter names a
+    referenced rule after the last segment of its ref, so two tools' `Item`s would share one rule."""
+    schema = copy.deepcopy(schema)
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            schema[key] = {prefix + name: value for name, value in schema[key].items()}
+
+    def rename(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+                container, _, name = ref[2:].partition("/")
+                node["$ref"] = f"#/{container}/{prefix}{name}"
+            for value in node.values():
+                rename(value)
+        elif isinstance(node, list):
+            for value in node:
+                rename(value)
+
+    rename(schema)
+    return schema
+
+
+def _wrapped_root(fmt: ToolFormat, call: str, parallel: bool) -> str:
+    if fmt is ToolFormat.HERMES:
+        one = f'"<tool_call>" ws {call} ws "</tool_call>"'
+        return f"{one} (ws {one})*" if parallel else one
+    if fmt is ToolFormat.MISTRAL:
+        more = f' ("," " "? {call})*' if parallel else ""
+        return f'"[TOOL_CALLS]" " "? "[" " "? {call}{more} "]"'
+    return call  # LLAMA3: one call is the whole reply
+
+
+def _trigger_pattern(fmt: ToolFormat) -> str:
+    """The marker as the pattern's first group, then any prefix of what the grammar expects next."""
+    open_object = [_literal("{"), " ?", *(_literal(c) for c in '"name"')]
+    if fmt is ToolFormat.HERMES:
+        return f"({_literal('<tool_call>')}){_prefixes([_WS_REGEX, *open_object])}$"
+    if fmt is ToolFormat.MISTRAL:
+        return f"({_literal('[TOOL_CALLS]')}){_prefixes([' ?', _literal('['), ' ?', *open_object])}$"
+    return f"^[ \\t\\n]*({open_object[0]}){_prefixes(open_object[1:])}$"  # LLAMA3: a reply that opens an object
+
+
+def _literal(text: str) -> str:
+    return _REGEX_SYNTAX.sub(r"\\\1", text)
+
+
+def _prefixes(atoms: list[str]) -> str:
+    """A regex for any prefix of the sequence `atoms`, the empty one included."""
+    if not atoms:
+        return ""
+    return f"(?:{atoms[0]}{_prefixes(atoms[1:])})?"

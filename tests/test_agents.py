@@ -1,0 +1,119 @@
+"""The OpenAI Agents SDK, through its Chat Completions model, runs agents with two function tools to
+their final output against kvserve serving SmolLM2 (the generic JSON mode), streamed and not.
+
+Two agents. The first uses the SDK's own defaults for forcing tools: `tool_choice="required"`, which
+the SDK resets to `auto` once a tool has run; kvserve's grammar makes the first turn a valid call
+and the second turn (given the result) is SmolLM2's answer. The second runs a fixed workflow, as an
+application that knows its steps does: it steers each turn with `tool_choice` (get_weather, then
+to_fahrenheit, then no tool), because SmolLM2-135M cannot plan two steps itself. In both, the loop
+is the SDK's: it parses the calls, runs the Python functions, sends their results back and takes the
+last reply as the final output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from agents import (
+    Agent,
+    AgentHooks,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    RunContextWrapper,
+    Runner,
+    Tool,
+    function_tool,
+    set_tracing_disabled,
+)
+from openai import AsyncOpenAI
+
+from conftest import serve
+
+set_tracing_disabled(True)  # the SDK would export traces to OpenAI
+
+
+@pytest.fixture(scope="module")
+def base_url(smollm2: Path) -> Iterator[str]:
+    with serve(smollm2, threads=1) as url:
+        yield url
+
+
+class Steps(AgentHooks):
+    """Forces the next tool once a tool has run; after the last one, no tool."""
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+        self.ran: list[str] = []
+
+    async def on_tool_end(self, context: RunContextWrapper, agent: Agent, tool: Tool, result: Any) -> None:
+        self.ran.append(tool.name)
+        following = self.order[len(self.ran)] if len(self.ran) < len(self.order) else "none"
+        agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice=following)
+
+
+def weather_tools(calls: list[tuple[str, Any]]) -> list[Tool]:
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city, in degrees Celsius."""
+        calls.append(("get_weather", city))
+        return f"It is 21 degrees Celsius and sunny in {city}."
+
+    @function_tool
+    def to_fahrenheit(celsius: float) -> str:
+        """Convert a temperature from Celsius to Fahrenheit."""
+        calls.append(("to_fahrenheit", celsius))
+        return f"{celsius * 9 / 5 + 32:.1f} degrees Fahrenheit"
+
+    return [get_weather, to_fahrenheit]
+
+
+def weather_agent(base_url: str, calls: list[tuple[str, Any]], steered: bool) -> Agent:
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    order = ["get_weather", "to_fahrenheit"]
+    steering: dict[str, Any] = dict(reset_tool_choice=False, hooks=Steps(order)) if steered else {}
+    return Agent(
+        name="weather",
+        instructions="You answer questions about the weather. Use the tools.",
+        tools=weather_tools(calls),
+        model=OpenAIChatCompletionsModel(model="smollm2", openai_client=client),
+        model_settings=ModelSettings(tool_choice=order[0] if steered else "required", parallel_tool_calls=False,
+                                     temperature=0, max_tokens=120),
+        **steering,
+    )
+
+
+async def run_agent(agent: Agent, streamed: bool) -> Any:
+    question = "What is the weather in Paris?"
+    if not streamed:
+        return await Runner.run(agent, question, max_turns=4)
+    # The SDK's streaming path assembles calls from deltas and raises on an id or name that changes.
+    result = Runner.run_streamed(agent, question, max_turns=4)
+    async for _ in result.stream_events():
+        pass
+    return result
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_agent_with_the_sdks_tool_choice_defaults(base_url: str, streamed: bool) -> None:
+    calls: list[tuple[str, Any]] = []
+    result = asyncio.run(run_agent(weather_agent(base_url, calls, steered=False), streamed))
+    assert len(calls) == 1 and calls[0][0] in ("get_weather", "to_fahrenheit")
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_agent_with_a_steered_workflow(base_url: str, streamed: bool) -> None:
+    calls: list[tuple[str, Any]] = []
+    result = asyncio.run(run_agent(weather_agent(base_url, calls, steered=True), streamed))
+    assert [name for name, _ in calls] == ["get_weather", "to_fahrenheit"]
+    assert isinstance(calls[0][1], str) and calls[0][1]  # the SDK parsed and validated the arguments
+    assert isinstance(calls[1][1], float)
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert isinstance(result.final_output, str) and result.final_output.strip()

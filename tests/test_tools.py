@@ -1,0 +1,290 @@
+"""kvserve.tools on its own: format detection, the streaming parser, trigger patterns and grammars
+(on real llama.cpp samplers over a tiny model's vocabulary), and how history reaches templates."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import random
+import re
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from kvserve.config import embedded_model_path
+from kvserve.llama.chat_template import ChatTemplate
+from kvserve.llama.model import Model
+from kvserve.llama.sampler import Sampler, SamplingParams
+from kvserve.tools import (
+    ArgumentsDelta,
+    CallStarted,
+    ChatTurn,
+    ContentDelta,
+    FunctionTool,
+    HistoryCall,
+    Mode,
+    ToolChoice,
+    ToolError,
+    ToolFormat,
+    detect_format,
+    plan_tools,
+    template_messages,
+)
+from kvserve.tools.grammar import tool_grammar
+from kvserve.tools.parser import ToolCallParser
+from kvserve.testing.tiny_models import TEMPLATES
+
+ADD = FunctionTool("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "required": ["a", "b"]})
+WEATHER = FunctionTool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                       "required": ["city"]})
+NAMES = ("add", "get_weather")
+
+
+# --- format detection ----------------------------------------------------------------------------
+
+
+def test_formats_detected_from_the_templates() -> None:
+    smollm2 = Model(embedded_model_path())
+    try:
+        assert detect_format(ChatTemplate.from_model(smollm2).source) is ToolFormat.GENERIC
+    finally:
+        smollm2.close()
+    assert detect_format(TEMPLATES["hermes"]) is ToolFormat.HERMES
+    assert detect_format(TEMPLATES["llama3"]) is ToolFormat.LLAMA3
+    assert detect_format("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}") is ToolFormat.MISTRAL
+    # Llama 3.0: the same headers, no ipython role, no tools
+    assert detect_format("<|start_header_id|>{{ m.role }}<|end_header_id|>") is ToolFormat.GENERIC
+
+
+# --- the parser ----------------------------------------------------------------------------------
+
+
+def parse(fmt: ToolFormat, text: str, seed: int | None = None) -> tuple[str, list[tuple[str, str]], list]:
+    """(content, [(name, arguments)], events) of `text` fed whole, or in random pieces of 1-5 chars."""
+    parser = ToolCallParser(fmt, NAMES)
+    events = []
+    if seed is None:
+        events += parser.feed(text)
+    else:
+        rng, i = random.Random(seed), 0
+        while i < len(text):
+            j = i + rng.randint(1, 5)
+            events += parser.feed(text[i:j])
+            i = j
+    events += parser.finish()
+    return parser.content, [(c.name, c.arguments) for c in parser.calls], events
+
+
+CASES = {
+    "hermes-two-calls": (
+        ToolFormat.HERMES,
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": "}"}]}}\n</tool_call>',
+        "Let me look.", [("get_weather", '{"city": "Pa\\"ris"}'), ("add", '{"a": 1, "b": [2, {"c": "}"}]}')],
+    ),
+    "hermes-text-only": (ToolFormat.HERMES, "a < b, <tool and </tool_call> are text\n\n", 
+                         "a < b, <tool and </tool_call> are text\n\n", []),
+    "hermes-unknown-name-is-text": (
+        ToolFormat.HERMES, 'x <tool_call>{"name": "rm", "arguments": {}}</tool_call> y',
+        'x <tool_call>{"name": "rm", "arguments": {}}</tool_call> y', [],
+    ),
+    "hermes-cut-before-arguments": (ToolFormat.HERMES, 'x <tool_call>{"name": "add", "argu',
+                                    'x <tool_call>{"name": "add", "argu', []),
+    "hermes-cut-in-arguments": (ToolFormat.HERMES, 'x\n<tool_call>{"name": "add", "arguments": {"a": 1',
+                                "x", [("add", '{"a": 1')]),
+    "mistral": (
+        ToolFormat.MISTRAL,
+        '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {}}]',
+        "", [("add", '{"a": 1, "b": 2}'), ("get_weather", "{}")],
+    ),
+    "llama3-call": (ToolFormat.LLAMA3, ' {"name": "add", "parameters": {"a": -1.5e3, "b": true}}', "",
+                    [("add", '{"a": -1.5e3, "b": true}')]),
+    "llama3-json-answer-is-text": (ToolFormat.LLAMA3, '{"answer": 3}', '{"answer": 3}', []),
+    "llama3-call-after-text-is-text": (ToolFormat.LLAMA3, 'Hi {"name": "add", "parameters": {}}',
+                                       'Hi {"name": "add", "parameters": {}}', []),
+    "generic-response": (ToolFormat.GENERIC, '{"response": "caf\\u00e9 \\ud83d\\ude00\\n\\"q\\" \\ud800x"}',
+                         'café 😀\n"q" \ufffdx', []),
+    "generic-calls": (
+        ToolFormat.GENERIC,
+        '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"city": "P"}}]}',
+        "", [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "P"}')],
+    ),
+    "generic-not-json": (ToolFormat.GENERIC, "plain words", "plain words", []),
+}
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES.values(), ids=CASES.keys())
+def test_parser_splits_content_and_calls(fmt: ToolFormat, text: str, content: str, calls: list) -> None:
+    assert parse(fmt, text)[:2] == (content, calls)
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES.values(), ids=CASES.keys())
+def test_parser_events_do_not_depend_on_the_split(fmt: ToolFormat, text: str, content: str, calls: list) -> None:
+    for seed in range(25):
+        got_content, got_calls, events = parse(fmt, text, seed)
+        assert (got_content, got_calls) == (content, calls)
+        assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == content
+        started: list[int] = []
+        for event in events:
+            if isinstance(event, CallStarted):
+                assert event.index == len(started) and event.id.startswith("call_")
+                started.append(event.index)
+            elif isinstance(event, ArgumentsDelta):
+                assert event.index == started[-1], "arguments only for the call in progress"
+        assert len(started) == len(calls)
+        for index, (_, arguments) in enumerate(calls):
+            assert "".join(e.text for e in events if isinstance(e, ArgumentsDelta) and e.index == index) == arguments
+
+
+def test_parser_finish_reason() -> None:
+    parser = ToolCallParser(ToolFormat.GENERIC, NAMES)
+    parser.feed('{"tool_calls": [{"name": "add", "arguments": {}}]}')
+    parser.finish()
+    assert (parser.finish_reason("stop"), parser.finish_reason("length")) == ("tool_calls", "length")
+    plain = ToolCallParser(ToolFormat.GENERIC, NAMES)
+    plain.feed('{"response": "hi"}')
+    plain.finish()
+    assert plain.finish_reason("stop") == "stop"
+
+
+# --- trigger patterns and grammars ---------------------------------------------------------------
+
+
+def test_trigger_patterns_fire_only_on_a_prefix_the_grammar_accepts() -> None:
+    """llama.cpp replays the text from the pattern's first group into the grammar and aborts if the
+    grammar rejects it, so a pattern must never match a marker followed by anything else."""
+    hermes = tool_grammar(ToolFormat.HERMES, [ADD], required=False, parallel=True, opening_token=None)
+    (pattern,) = hermes.trigger_patterns
+    fires = ["x <tool_call>", "<tool_call>\n", '<tool_call>\n{"', '<tool_call>{ "nam', '<tool_call> {"name"']
+    never = ['<tool_call>"', "<tool_call>x", '<tool_call>{"name":', "<tool_call>\n\n\n{", "<tool_call"]
+    assert all(re.search(pattern, text) for text in fires)
+    assert not any(re.search(pattern, text) for text in never)
+    (llama3,) = tool_grammar(ToolFormat.LLAMA3, [ADD], required=False, parallel=False,
+                             opening_token=None).trigger_patterns
+    assert re.search(llama3, '  {"na') and not re.search(llama3, 'Sure {"na') and not re.search(llama3, "{'")
+
+
+@pytest.fixture(scope="module")
+def hermes_model(tiny) -> Model:
+    model = Model(tiny("llama", "hermes"))
+    yield model
+    model.close()
+
+
+def allowed_tokens(sampler: Sampler, n_vocab: int) -> set[int]:
+    data = (llama_cpp.llama_token_data * n_vocab)(*(llama_cpp.llama_token_data(i, 0.0, 0.0) for i in range(n_vocab)))
+    candidates = llama_cpp.llama_token_data_array(data, n_vocab, -1, False)
+    llama_cpp.llama_sampler_apply(sampler._chain, ctypes.byref(candidates))
+    return {i for i in range(n_vocab) if data[i].logit != float("-inf")}
+
+
+def lazy_sampler(model: Model, fmt: ToolFormat, opening_token: int | None = None) -> Sampler:
+    grammar = tool_grammar(fmt, [ADD], required=False, parallel=False, opening_token=opening_token)
+    return Sampler(model, SamplingParams(temperature=0.0, grammar=grammar.gbnf,
+                                         grammar_trigger_patterns=grammar.trigger_patterns,
+                                         grammar_trigger_tokens=grammar.trigger_tokens))
+
+
+def accept(sampler: Sampler, tokens: list[int]) -> None:
+    for token in tokens:
+        llama_cpp.llama_sampler_accept(sampler._chain, token)
+
+
+def test_lazy_grammar_is_free_until_the_marker_then_holds(hermes_model: Model) -> None:
+    n_vocab = hermes_model.info.n_vocab
+    text = hermes_model.tokenize("Let me add them: <tool_", add_special=False)
+    sampler = lazy_sampler(hermes_model, ToolFormat.HERMES)
+    try:
+        accept(sampler, text)
+        assert len(allowed_tokens(sampler, n_vocab)) == n_vocab  # free text: nothing masked
+        accept(sampler, hermes_model.tokenize('call>\n{"', add_special=False))
+        allowed = {hermes_model.token_text(t) for t in allowed_tokens(sampler, n_vocab)}
+        assert allowed and all('"name"'.startswith('"' + piece) or piece.startswith("name") for piece in allowed), allowed
+    finally:
+        sampler.close()
+
+
+def test_marker_token_triggers_the_grammar(hermes_model: Model) -> None:
+    """The hermes model spells <tool_call> as one control token: the trigger is that token."""
+    (marker,) = hermes_model.tokenize("<tool_call>", add_special=False, parse_special=True)
+    plan = plan_tools(ToolFormat.HERMES, hermes_model, [ADD], ToolChoice(Mode.AUTO), parallel=False)
+    assert plan.grammar.trigger_tokens == (marker,)
+    sampler = lazy_sampler(hermes_model, ToolFormat.HERMES, marker)
+    try:
+        accept(sampler, hermes_model.tokenize("Sure.", add_special=False) + [marker])
+        allowed = {hermes_model.token_text(t) for t in allowed_tokens(sampler, hermes_model.info.n_vocab)}
+        assert allowed and all(piece.strip() in ("", "{", '{"') for piece in allowed), allowed
+    finally:
+        sampler.close()
+
+
+def test_marker_with_a_foreign_tail_leaves_the_grammar_off(hermes_model: Model) -> None:
+    """A token that completes the marker and goes on with text the grammar rejects (`>"`) must not
+    trigger it: llama.cpp would abort the process on the replay."""
+    n_vocab = hermes_model.info.n_vocab
+    tail = next(t for t in range(n_vocab) if hermes_model.token_text(t) == '>"')
+    sampler = lazy_sampler(hermes_model, ToolFormat.HERMES)
+    try:
+        accept(sampler, hermes_model.tokenize("x <tool_call", add_special=False) + [tail])
+        assert len(allowed_tokens(sampler, n_vocab)) == n_vocab
+    finally:
+        sampler.close()
+
+
+def test_same_named_definitions_of_two_tools_stay_apart(hermes_model: Model) -> None:
+    def with_item(name: str, field: str) -> FunctionTool:
+        item = {"type": "object", "properties": {field: {"type": "integer"}}, "required": [field]}
+        return FunctionTool(name, {"type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}},
+                                   "required": ["x"], "$defs": {"Item": item}})
+
+    grammar = tool_grammar(ToolFormat.HERMES, [with_item("f", "n"), with_item("g", "m")],
+                           required=True, parallel=False, opening_token=None)
+    assert re.search(r'^t0-Item ::= "\{" space t0-Item-n-kv', grammar.gbnf, re.M), grammar.gbnf
+    assert re.search(r'^t1-Item ::= "\{" space t1-Item-m-kv', grammar.gbnf, re.M), grammar.gbnf
+    Sampler(hermes_model, SamplingParams(grammar=grammar.gbnf)).close()  # llama.cpp parses it
+
+
+def test_schema_the_converter_cannot_express_names_the_tool(hermes_model: Model) -> None:
+    bad = FunctionTool("f", {"$ref": "https://example.com/schema.json"}, param="tools[1].function")
+    with pytest.raises(ToolError) as caught:
+        plan_tools(ToolFormat.HERMES, hermes_model, [ADD, bad], ToolChoice(Mode.AUTO))
+    assert caught.value.param == "tools[1].function.parameters"
+
+
+# --- history -------------------------------------------------------------------------------------
+
+
+CONVERSATION = [
+    ChatTurn("user", "add 1 and 2"),
+    ChatTurn("assistant", "", (HistoryCall("call_abc", "add", '{"a": 1, "b": 2}'),
+                               HistoryCall("call_def", "add", "{not json"))),
+    ChatTurn("tool", "3", tool_call_id="call_abc"),
+    ChatTurn("tool", "error", tool_call_id="call_def"),
+]
+
+
+def test_history_for_a_template_that_knows_tools() -> None:
+    messages = template_messages(ToolFormat.HERMES, CONVERSATION)
+    calls = messages[1]["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"a": 1, "b": 2}  # an object, as templates expect
+    assert calls[1]["function"]["arguments"] == "{not json"  # kept as text
+    assert messages[2] == {"role": "tool", "content": "3", "tool_call_id": "call_abc", "name": "add"}
+    rendered = ChatTemplate(TEMPLATES["hermes"], "", "").render(messages)
+    assert '"arguments": {"a": 1, "b": 2}' in rendered and '"arguments": "{not json"' in rendered
+    assert "<tool_response>\n3\n</tool_response>" in rendered
+
+
+def test_history_for_mistral_pairs_nine_character_ids() -> None:
+    messages = template_messages(ToolFormat.MISTRAL, CONVERSATION)
+    first, second = (c["id"] for c in messages[1]["tool_calls"])
+    assert re.fullmatch(r"[a-zA-Z0-9]{9}", first) and first != second
+    assert (messages[2]["tool_call_id"], messages[3]["tool_call_id"]) == (first, second)
+
+
+def test_history_in_the_generic_mode() -> None:
+    messages = template_messages(ToolFormat.GENERIC, CONVERSATION)
+    assert json.loads(messages[1]["content"]) == {
+        "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": "{not json"}]}
+    assert messages[2] == {"role": "user", "content": "Result of add (call call_abc):\n3"}
