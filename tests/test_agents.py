@@ -99,11 +99,14 @@ async def run_agent(agent: Agent, streamed: bool) -> Any:
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 def test_agent_with_the_sdks_tool_choice_defaults(base_url: str, streamed: bool) -> None:
+    """Under `auto` (after the first, forced call) SmolLM2 may answer or call once more: whether it
+    does is a near-tie that flash attention's rounding can flip with what the prefix cache holds, so
+    one or two tool rounds both count, as long as the run ends in an answer within max_turns."""
     calls: list[tuple[str, Any]] = []
     result = asyncio.run(run_agent(weather_agent(base_url, calls, steered=False), streamed))
-    assert len(calls) == 1 and calls[0][0] in ("get_weather", "to_fahrenheit")
+    assert 1 <= len(calls) <= 2 and all(name in ("get_weather", "to_fahrenheit") for name, _ in calls)
     kinds = [type(item).__name__ for item in result.new_items]
-    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem"] * len(calls) + ["MessageOutputItem"]
     assert isinstance(result.final_output, str) and result.final_output.strip()
 
 
