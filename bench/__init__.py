@@ -1,1 +1,1 @@
-"""Benchmarks: kvserve against references measured in the same run (see README)."""
+"""Benchmarks: kvserve against references measured in the same run (see docs/benchmarks.md)."""

@@ -1,30 +1,40 @@
-"""python -m bench [compare|serving|prefix|checkpoints] — each writes JSON and Markdown to bench/results/.
+"""python -m bench [compare|sweep|cache-cost|serving|prefix|checkpoints|soak]: each writes JSON and
+Markdown to bench/results/.
 
-compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; the others
-are the earlier kvserve-only suites whose numbers the README quotes.
+compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
+kvserve next to llama-server over 1 to 32 users and prompts of 256 to 4,096 tokens; cache-cost
+measures what a prefix cache full of cold pages costs unique traffic. The others are the earlier
+kvserve-only suites whose numbers docs/benchmarks.md quotes; soak serves thousands of requests and charts
+kvserve's resident memory.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench import checkpoints, compare, prefix, serving
+from bench import cache_cost, checkpoints, compare, prefix, serving, soak, sweep
 
 WORKLOADS = ["shared", "multiturn", "unique", "long"]
 SERVERS = ["kvserve", "llama-server", "llama-cpp-python"]
+SUITES = ["compare", "sweep", "cache-cost", "serving", "prefix", "checkpoints", "soak"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
-    parser.add_argument("suite", nargs="?", default="compare", choices=["compare", "serving", "prefix", "checkpoints"])
-    parser.add_argument("--quick", action="store_true", help="compare: one or two rounds, 16 tokens (a smoke run)")
-    parser.add_argument("--servers", nargs="+", choices=SERVERS, help="compare: only these servers")
+    parser.add_argument("suite", nargs="?", default="compare", choices=SUITES)
+    parser.add_argument("--quick", action="store_true",
+                        help="compare, sweep, cache-cost: a smoke run (fewer rounds, points or tokens)")
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, help="compare, sweep: only these servers")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="compare: only these workloads")
     args = parser.parse_args()
     if args.suite == "compare":
         print(compare.main(args.quick, args.servers, args.workloads))
+    elif args.suite == "sweep":
+        print(sweep.main(args.quick, args.servers))
+    elif args.suite == "cache-cost":
+        print(cache_cost.main(args.quick))
     else:
-        print({"serving": serving, "prefix": prefix, "checkpoints": checkpoints}[args.suite].main())
+        print({"serving": serving, "prefix": prefix, "checkpoints": checkpoints, "soak": soak}[args.suite].main())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Issue 4's benchmark: multi-turn chats on a hybrid (LFM2-style) model, with and without checkpoints.
+"""The checkpoints benchmark: multi-turn chats on a hybrid (LFM2-style) model, with and without checkpoints.
 
 8 conversations x 4 turns on one ~1,000-token system prompt; each turn carries the previous answers.
 Reports the share of prompt tokens restored instead of prefilled from the second turn on, and TTFT
@@ -14,35 +14,27 @@ python -m bench checkpoints
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 from bench import workloads
-from bench.servers import free_port, kvserve_command, running
 from bench.stats import markdown_table, percentile, summarize
+from kvserve.testing import ServerProcess
+from kvserve.testing.tiny_models import tiny_model
 
 RESULTS = Path(__file__).parent / "results"
 MAX_TOKENS = 24
 
 
-def hybrid_model(directory: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tiny_models import tiny_model
-
-    return tiny_model("lfm2", directory)
-
-
 def main() -> str:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = hybrid_model(Path(tmp))
+        model = tiny_model("lfm2", Path(tmp))
         for cache in (True, False):
-            port = free_port()
-            flags = ["--model", str(model), "--parallel", "8"] + ([] if cache else ["--no-prefix-cache"])
-            with running(kvserve_command(port, *flags), port,
-                         RESULTS / f"checkpoints-{'cache' if cache else 'nocache'}.log") as url:
-                run = workloads.run_sync(url, workloads.multiturn(), MAX_TOKENS)
+            log = RESULTS / f"checkpoints-{'cache' if cache else 'nocache'}.log"
+            with ServerProcess.kvserve(log, model=model, parallel=8, prefix_cache=cache) as server:
+                server.wait_healthy()
+                run = workloads.run_sync(server.url, workloads.multiturn(), MAX_TOKENS)
             later = [r for conv in run.per_user for r in conv[1:]]
             rows.append({
                 "cache": cache,

@@ -1,4 +1,4 @@
-"""Issue 6's benchmark, the default suite: kvserve against llama-server and llama-cpp-python's server.
+"""The comparison, the default benchmark suite: kvserve against llama-server and llama-cpp-python's server.
 
 Each workload runs on a freshly started server of each kind (so no workload warms another's cache),
 on loopback, with the same model file, threads and per-request context. Every request streams a
@@ -16,11 +16,12 @@ import os
 from pathlib import Path
 
 from bench import llama_server, report, workloads
-from bench.servers import Server, Setup, contenders, free_port, running
+from bench.servers import Server, Setup, contenders
 from bench.stats import summarize
 from bench.workloads import Workload
 from kvserve.config import embedded_model_path
 from kvserve.llama.model import Model
+from kvserve.testing import ServerProcess, free_port
 
 RESULTS = Path(__file__).parent / "results"
 MAX_TOKENS = 64
@@ -30,7 +31,7 @@ WARM_UP = [{"role": "user", "content": "Say hello."}]
 
 
 def all_workloads(quick: bool) -> list[Workload]:
-    """The issue's workloads; quick: the fewest rounds that still exercise each (a smoke run)."""
+    """The four workloads; quick: the fewest rounds that still exercise each (a smoke run)."""
     if quick:
         return [workloads.shared(rounds=1), workloads.multiturn(rounds=2), workloads.unique("compare", rounds=1),
                 workloads.long("compare")]
@@ -47,10 +48,10 @@ def end_of_generation_bias(model_path: Path) -> dict[str, float]:
 
 def measure(server: Server, workload: Workload, max_tokens: int, extra: dict) -> dict:
     port = free_port()
-    with running(server.command(port), port, RESULTS / f"{server.name}-{workload.name}.log",
-                 health=server.health) as url:
-        workloads.run_sync(url, Workload("warm-up", 1, 1, lambda *_: WARM_UP), 8, extra)
-        run = workloads.run_sync(url, workload, max_tokens, extra)
+    with ServerProcess(server.command(port), port, RESULTS / f"{server.name}-{workload.name}.log") as process:
+        process.wait_healthy(server.health)
+        workloads.run_sync(process.url, Workload("warm-up", 1, 1, lambda *_: WARM_UP), 8, extra)
+        run = workloads.run_sync(process.url, workload, max_tokens, extra)
     row = {"server": server.name, "workload": workload.name, **summarize(run.results, run.wall)}
     print(f"{workload.name:>10} {server.name:>16}: TTFT p95 {row['ttft_p95']:.2f} s, "
           f"{row['output_tok_s']:.1f} tok/s, {row['errors']} errors {row['first_error'] or ''}", flush=True)
@@ -58,9 +59,7 @@ def measure(server: Server, workload: Workload, max_tokens: int, extra: dict) ->
 
 
 def main(quick: bool = False, servers: list[str] | None = None, only: list[str] | None = None) -> str:
-    binary = llama_server.binary()
-    if not binary.is_file():
-        raise SystemExit(f"{binary} is missing: build it once with `make bench-setup`")
+    binary = llama_server.require()
     setup = Setup(model=embedded_model_path(), threads=os.cpu_count() or 1, ctx_per_request=CTX_PER_REQUEST,
                   slots=SLOTS)
     chosen = [s for s in contenders(setup, binary) if servers is None or s.name in servers]
@@ -76,7 +75,7 @@ def main(quick: bool = False, servers: list[str] | None = None, only: list[str] 
         "rows": rows,
         "targets": report.targets(rows),
     }
-    # only a full run replaces the results the README shows
+    # only a full run replaces the results docs/benchmarks.md shows
     name = "latest" if not quick and servers is None and only is None else "partial"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""Issue 7's benchmark: two kvserve replicas behind smg, `cache_aware` against `round_robin`, one run.
+"""The fleet benchmark: two kvserve replicas behind smg, `cache_aware` against `round_robin`, one run.
 
 The shared-prompt workload with four system prompts: four support desks, each with its own
 ~550-token handbook (they differ from the first word); USERS_PER_DESK users per desk ask ROUNDS
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import httpx
@@ -27,9 +26,7 @@ import httpx
 from bench.client import Result, gather_limited, stream_chat
 from bench.stats import markdown_table, percentile
 from kvserve.config import embedded_model_path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fleet_processes import fleet, missing_router  # noqa: E402  (a tests helper, like bench.multiturn's)
+from kvserve.testing.fleet import fleet, missing_router, served
 
 RESULTS = Path(__file__).parent / "results"
 DESKS = ("billing", "shipping", "returns", "warranty")
@@ -37,8 +34,7 @@ USERS_PER_DESK = 2
 ROUNDS = 4
 MAX_TOKENS = 16
 # bench.client asks for model "bench"; smg routes on that name, so every replica serves it.
-REPLICA_FLAGS = ["--model-alias", "bench", "--threads", "1", "--parallel", "8", "--ctx-size", "8192",
-                 "--prefix-cache-cells", "1280"]
+REPLICA_SETTINGS = {"model_alias": "bench", "threads": 1, "parallel": 8, "ctx_size": 8192, "prefix_cache_cells": 1280}
 POLICIES = ("cache_aware", "round_robin")
 
 
@@ -82,9 +78,9 @@ def main() -> str:
     rows = []
     for policy in POLICIES:
         logs = RESULTS / "fleet-logs" / policy
-        with fleet(embedded_model_path(), logs, "smg", policy, REPLICA_FLAGS) as f:
+        with fleet(embedded_model_path(), logs, "smg", policy, REPLICA_SETTINGS) as f:
             results = asyncio.run(desk_users(f.url))
-            rows.append(summarize(policy, results, [r.served() for r in f.replicas]))
+            rows.append(summarize(policy, results, [served(r) for r in f.replicas]))
     by = {r["policy"]: r for r in rows}
     attached = by["cache_aware"]["cached_tokens"] / max(1, by["round_robin"]["cached_tokens"])
     RESULTS.mkdir(exist_ok=True)

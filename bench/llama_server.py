@@ -35,6 +35,14 @@ def binary() -> Path:
     return CACHE / version() / "llama-server"
 
 
+def require() -> Path:
+    """The built binary; SystemExit saying how to build it where it is missing."""
+    target = binary()
+    if not target.is_file():
+        raise SystemExit(f"{target} is missing: build it once with `make bench-setup`")
+    return target
+
+
 def build(cmake_args: list[str]) -> Path:
     target = binary()
     if target.is_file():

@@ -1,4 +1,4 @@
-"""Issue 3's benchmark: a shared ~1,000-token system prompt, with and without the prefix cache.
+"""The prefix benchmark: a shared ~1,000-token system prompt, with and without the prefix cache.
 
 - shared: 8 concurrent users, one system prompt, distinct questions, 3 rounds each; TTFT and the
   share of the system prompt served from cache after the first request;
@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 
 from bench import workloads
-from bench.servers import free_port, kvserve_command, running
 from bench.stats import markdown_table, summarize
 from bench.workloads import Run
+from kvserve.testing import ServerProcess
 
 RESULTS = Path(__file__).parent / "results"
 ROUNDS = 3
@@ -46,10 +46,10 @@ def system_token_count(url: str, system: str) -> int:
 def main() -> str:
     rows = []
     for cache in (True, False):
-        port = free_port()
-        flags = [] if cache else ["--no-prefix-cache"]
-        with running(kvserve_command(port, "--parallel", "16", *flags), port,
-                     RESULTS / f"prefix-{'cache' if cache else 'nocache'}.log") as url:
+        log = RESULTS / f"prefix-{'cache' if cache else 'nocache'}.log"
+        with ServerProcess.kvserve(log, parallel=16, prefix_cache=cache) as server:
+            server.wait_healthy()
+            url = server.url
             # the warm-up shares nothing with what follows
             workloads.run_sync(url, workloads.unique("warm-up", rounds=ROUNDS), MAX_TOKENS)
             unique = workloads.run_sync(url, workloads.unique("measured", rounds=ROUNDS), MAX_TOKENS)

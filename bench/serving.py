@@ -1,4 +1,4 @@
-"""Issue 2's benchmark: kvserve at concurrency 1, 4, 8 and 16 against raw batched llama_decode.
+"""The serving benchmark: kvserve at concurrency 1, 4, 8 and 16 against raw batched llama_decode.
 
 Each level sends `concurrency` streamed chat requests at once (distinct prompts of equal length,
 64 tokens each, ignore_eos) and repeats it `rounds` times. Decode throughput is concurrency divided
@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 
 from bench.client import stream_chat
-from bench.servers import free_port, kvserve_command, running, scrape
 from bench.stats import markdown_table, summarize
+from kvserve.testing import ServerProcess, read_metrics
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -49,17 +49,18 @@ def raw_reference(levels: list[int], threads: int) -> dict[int, float]:
 
 def main(levels: tuple[int, ...] = (1, 4, 8, 16), rounds: int = 2, max_tokens: int = 64, threads: int = 2) -> str:
     raw = raw_reference(list(levels), threads)  # first, alone on the machine
-    port = free_port()
     rows = []
-    with running(kvserve_command(port, "--parallel", "16", "--threads", str(threads)), port,
-                 RESULTS / "serving-kvserve.log") as url:
+    with ServerProcess.kvserve(RESULTS / "serving-kvserve.log", parallel=16, threads=threads) as server:
+        server.wait_healthy()
+        url = server.url
         asyncio.run(level(url, 2, 1, 8))  # warm up
         for concurrency in levels:
-            before = scrape(url)
+            before = read_metrics(url)
             stats = asyncio.run(level(url, concurrency, rounds, max_tokens))
-            after = scrape(url)
-            loop = after["kvserve_engine_loop_seconds_total"] - before["kvserve_engine_loop_seconds_total"]
-            decode = after["kvserve_engine_decode_seconds_total"] - before["kvserve_engine_decode_seconds_total"]
+            after = read_metrics(url)
+            loop = after.value("kvserve_engine_loop_seconds_total") - before.value("kvserve_engine_loop_seconds_total")
+            decode = (after.value("kvserve_engine_decode_seconds_total")
+                      - before.value("kvserve_engine_decode_seconds_total"))
             stats["python_overhead"] = 1 - decode / loop
             rows.append(stats)
     for row in rows:

@@ -66,11 +66,12 @@ def multiturn(users: int = 8, rounds: int = 4) -> Workload:
     return Workload("multiturn", users, rounds, messages)
 
 
-def unique(salt: str, users: int = 8, rounds: int = 2) -> Workload:
-    """~490-token prompts that share nothing with each other, nor with another salt's."""
+def unique(salt: str, users: int = 8, rounds: int = 2, sentences: int = 40) -> Workload:
+    """Prompts of `sentences` sentences (12 to 16 tokens each, by salt: 40 make ~490 to 650 tokens)
+    that share nothing with each other, nor with another salt's."""
     return Workload("unique", users, rounds, lambda u, r, _: [
         {"role": "user", "content": f"{salt} story {u}-{r}: "
-         + f"a tale of the number {u * 31 + r} and its {salt} friends. " * 40}])
+         + f"a tale of the number {u * 31 + r} and its {salt} friends. " * sentences}])
 
 
 def long(salt: str, users: int = 2, rounds: int = 1, lines: int = 114) -> Workload:

@@ -2,23 +2,19 @@
 
 Stream A prefills a ~60-token system prompt plus its question and donates its pages; the cache says
 how much of stream B it already holds; B attaches those pages (shared KV cells, no copy) and
-prefills only its tail. Then the same on a model that carries state (the tests' tiny LFM2
-hybrid): a checkpoint at the system opening, restored by a second conversation.
-Run: python examples/prefix_cache_by_hand.py
+prefills only its tail. Then, given a model that carries state (a hybrid such as LFM2), the same
+with a checkpoint at the system opening, restored by a second conversation.
+Run: python examples/prefix_cache_by_hand.py [HYBRID.gguf]
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from kvserve.cache import (
-    add_user, attach, checkpoint_at, create_chat_renderer, create_kv_pool, create_prefix_cache, insert,
-    match_len, release, release_kv_pages, render_turn_marked,
-)
+from kvserve.cache import MarkKind, add_user, create_chat_renderer, create_kv_pool, render_turn_marked
 from kvserve.config import embedded_model_path
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.model import Model
@@ -49,8 +45,7 @@ def greedy_reply(pool, session, logits: np.ndarray, model: Model, n: int = 24) -
 def pages() -> None:
     model = Model(embedded_model_path())
     template = ChatTemplate.from_model(model)
-    pool = create_kv_pool(model, page_rows=16, n_ctx=2048, n_seq_max=16)
-    cache = create_prefix_cache(pool)
+    pool, cache = create_kv_pool(model, page_rows=16, n_ctx=2048, n_seq_max=16)
 
     prompt_a = chat_tokens(model, template, "Where is Lyon?")
     prompt_b = chat_tokens(model, template, "Where is Kyoto?")
@@ -59,25 +54,25 @@ def pages() -> None:
     a = pool.new_session()
     reply_a = greedy_reply(pool, a, pool.eval(a, prompt_a), model)
     print(f"A prefilled {len(prompt_a)} tokens and answered: {reply_a!r}")
-    chain = insert(pool, a, a.tokens, preview="Where is Lyon?")
-    print(f"A donated {len(a.tokens)} evaluated tokens as chain {chain.id}: {cache.held_pages} full pages")
+    chain = cache.insert(a, a.tokens, preview="Where is Lyon?")
+    print(f"A donated {len(a.tokens)} evaluated tokens as chain {chain.id}: {cache.stats().held_pages} full pages")
 
-    print(f"the cache holds {match_len(pool, prompt_b)} of B's {len(prompt_b)} leading tokens")
+    print(f"the cache holds {cache.match_len(prompt_b)} of B's {len(prompt_b)} leading tokens")
     b = pool.new_session()
-    attached = attach(pool, b, prompt_b)
+    attached = cache.attach(b, prompt_b)
     tail = prompt_b[attached:]
     reply_b = greedy_reply(pool, b, pool.eval(b, tail), model)
     print(f"B attached {attached} tokens, prefilled only {len(tail)}, and answered: {reply_b!r}")
 
-    for entry in cache.chain_list():
+    for entry in cache.view()["chains"]:
         print("chain", entry)
-    print(f"held pages: {cache.held_pages} ({cache.held_pages * pool.page_rows} KV cells), "
+    print(f"held pages: {cache.stats().held_pages} ({cache.held_cells} KV cells), "
           f"cells in use: {pool.used_cells} of {pool.n_cells}")
 
     # Teardown, in order: sessions first (they borrow pages), then the cache, then the pool.
-    release_kv_pages(pool, a)
-    release_kv_pages(pool, b)
-    release(pool)
+    pool.end_session(a)
+    pool.end_session(b)
+    cache.release()
     pool.close()
     model.close()
     print("released: sessions, cache, pool, model")
@@ -85,8 +80,8 @@ def pages() -> None:
 
 def checkpoints(model_path: Path) -> None:
     model = Model(model_path)
-    pool = create_kv_pool(model, page_rows=16, n_ctx=2048, n_seq_max=8)
-    cache = create_prefix_cache(pool, max_states=4, state_budget_bytes=1 << 20)
+    pool, cache = create_kv_pool(model, page_rows=16, n_ctx=2048, n_seq_max=8, max_states=4,
+                                 state_budget_bytes=1 << 20)
 
     chat_a = create_chat_renderer(model, SYSTEM)
     add_user(chat_a, "Where is Lyon?")
@@ -94,9 +89,9 @@ def checkpoints(model_path: Path) -> None:
     print(f"hybrid: A has {len(turn_a.tokens)} tokens; marks head={turn_a.head} opening={turn_a.opening} "
           f"close={turn_a.close}")
     a = pool.new_session()
-    stop = checkpoint_at(pool, a, turn_a.tokens, 0, turn_a.opening)
+    stop = cache.checkpoint_at(a, turn_a.tokens, 0, turn_a.opening)
     pool.eval(a, turn_a.tokens[:stop])  # a recurrent state cannot be cut back: stop the prefill here
-    checkpoint = insert(pool, a, a.tokens, opening=True)
+    checkpoint = cache.insert(a, a.tokens, kind=MarkKind.OPENING)
     print(f"A stopped its prefill at {stop} and saved a {len(checkpoint.blob)}-byte state there")
     pool.eval(a, turn_a.tokens[stop:])
 
@@ -104,26 +99,21 @@ def checkpoints(model_path: Path) -> None:
     add_user(chat_b, "Where is Kyoto?")
     turn_b = render_turn_marked(model, chat_b)
     b = pool.new_session()
-    restored = attach(pool, b, turn_b.tokens)
+    restored = cache.attach(b, turn_b.tokens)
     pool.eval(b, turn_b.tokens[restored:])
     print(f"B restored the checkpoint at {restored} and prefilled only {len(turn_b.tokens) - restored} tokens")
-    print("checkpoints", cache.chain_list())
+    print("checkpoints", cache.view()["checkpoints"])
 
-    release_kv_pages(pool, a)
-    release_kv_pages(pool, b)
-    release(pool)
+    pool.end_session(a)
+    pool.end_session(b)
+    cache.release()
     pool.close()
     model.close()
 
 
-def tiny_hybrid(directory: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tiny_models import tiny_model  # the tests' random-weight GGUF writer
-
-    return tiny_model("lfm2", directory)
-
-
 if __name__ == "__main__":
     pages()
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoints(tiny_hybrid(Path(tmp)))
+    if len(sys.argv) > 1:
+        checkpoints(Path(sys.argv[1]))
+    else:
+        print("checkpoints: pass the path of a hybrid GGUF (an LFM2, for one) to see them too")

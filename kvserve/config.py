@@ -44,7 +44,13 @@ class Settings(BaseSettings):
     ctx_size: int = Field(16384, ge=256, description="KV cells shared by all sequences")
     parallel: int = Field(16, ge=1, le=128, description="sequences decoding at once")
     batch_size: int = Field(512, ge=16, description="tokens per engine step (decode tokens + prompt chunks)")
+    prefill_chunk: int = Field(
+        64, ge=0, description="most prompt tokens in a step while streams decode (0: the whole batch); bounds their token latency"
+    )
     threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
+    flash_attn: Literal["on", "off", "auto"] = Field(
+        "auto", description="flash attention: auto lets llama.cpp pick for the device (on for CPUs); off is bit-stable"
+    )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
     prefix_cache_cells: int = Field(4096, ge=0, description="most KV cells the page cache keeps (cold pages cost attention)")
@@ -59,6 +65,9 @@ class Settings(BaseSettings):
     max_queue: int = Field(512, ge=0, description="requests that may wait beyond --parallel running ones; more get 429")
     queue_timeout: float = Field(600.0, ge=0, description="seconds a request may wait for a slot before a 503 (0: forever)")
     drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests finish")
+    stall_seconds: float = Field(
+        30.0, gt=0, description="seconds of no engine progress, with requests in flight, before a stall is logged"
+    )
     max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
     metrics_compat: Literal["vllm"] | None = Field(

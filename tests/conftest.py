@@ -9,21 +9,19 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from bench.servers import free_port
 from kvserve.config import Settings, embedded_model_path
 from kvserve.scheduler.engine import Engine
-from kvserve.scheduler.request import Request
-from kvserve.llama.sampler import SamplingParams
-from tiny_models import ARCHS, tiny_model  # noqa: F401  (ARCHS: the tests parametrize over it)
+from kvserve.llama.sampler import SamplingParams, TokenLogprobs
+from kvserve.scheduler.request import Delta, Request
+from kvserve.testing import free_port, http_get, wait_until
+from kvserve.testing.tiny_models import ARCHS, tiny_model  # noqa: F401  (ARCHS: the tests parametrize over it)
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +39,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny(tiny_dir: Path):
     """tiny("llama") -> path of a tiny random-weight GGUF of that arch (written once per session);
-    tiny("llama", "hermes") carries that chat template (tiny_models.TEMPLATES)."""
+    tiny("llama", "hermes") carries that chat template (kvserve.testing.tiny_models.TEMPLATES)."""
     return lambda arch, template=None: tiny_model(arch, tiny_dir, template)
 
 
@@ -70,19 +68,29 @@ def greedy(prompt: list[int], max_tokens: int = 12, **kwargs) -> Request:
 
 def run(engine: Engine, requests: list[Request], max_steps: int = 10_000) -> dict[str, list[int]]:
     """Submit all requests at once and step until each has finished; returns their generated tokens."""
+    return {request_id: sum((d.token_ids for d in deltas), [])
+            for request_id, deltas in _run(engine, requests, max_steps).items()}
+
+
+def run_traced(engine: Engine, requests: list[Request], max_steps: int = 10_000) -> dict[str, list[TokenLogprobs]]:
+    """`run`, returning each generated token with its logprobs (the requests must ask for logprobs)."""
+    return {request_id: sum((d.logprobs for d in deltas), [])
+            for request_id, deltas in _run(engine, requests, max_steps).items()}
+
+
+def _run(engine: Engine, requests: list[Request], max_steps: int) -> dict[str, list[Delta]]:
     for request in requests:
         engine.scheduler.submit(request)
-    tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+    deltas: dict[str, list[Delta]] = {r.id: [] for r in requests}
     done: set[str] = set()
     for _ in range(max_steps):
         for output in engine.scheduler.step():
             assert output.error is None, output.error
-            for delta in output.deltas:
-                tokens[output.request_id] += delta.token_ids
+            deltas[output.request_id] += output.deltas
             if output.usage is not None:
                 done.add(output.request_id)
         if len(done) == len(requests):
-            return tokens
+            return deltas
     raise AssertionError("requests did not finish")
 
 
@@ -104,15 +112,8 @@ def served(model: Path, **overrides) -> Iterator[tuple[str, FastAPI]]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        time.sleep(0.05)
-    else:
-        raise RuntimeError("kvserve did not become healthy")
     try:
+        wait_until(lambda: http_get(f"{url}/health", timeout=1)[0] == 200, 60, "kvserve healthy")
         yield url, app
     finally:
         server.should_exit = True

@@ -1,11 +1,13 @@
-"""The OpenAI Agents SDK, through its Chat Completions model, runs an agent with two function tools
-to its final output against kvserve serving SmolLM2.
+"""The OpenAI Agents SDK, through its Chat Completions model, runs agents with two function tools to
+their final output against kvserve serving SmolLM2 (the generic JSON mode), streamed and not.
 
-SmolLM2-135M cannot plan a tool sequence on its own (left to `auto`, it calls the same tool turn
-after turn), so the agent program steers each turn with `tool_choice`, as an application with a
-fixed workflow does: first get_weather, then to_fahrenheit, then no tool. kvserve guarantees each
-forced call by grammar; everything else is the SDK's own loop: it parses the calls, runs the Python
-functions, sends their results back and takes the last reply as the final output.
+Two agents. The first uses the SDK's own defaults for forcing tools: `tool_choice="required"`, which
+the SDK resets to `auto` once a tool has run; kvserve's grammar makes the first turn a valid call
+and the second turn (given the result) is SmolLM2's answer. The second runs a fixed workflow, as an
+application that knows its steps does: it steers each turn with `tool_choice` (get_weather, then
+to_fahrenheit, then no tool), because SmolLM2-135M cannot plan two steps itself. In both, the loop
+is the SDK's: it parses the calls, runs the Python functions, sends their results back and takes the
+last reply as the final output.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 
 import pytest
 from agents import (
@@ -21,7 +23,6 @@ from agents import (
     AgentHooks,
     ModelSettings,
     OpenAIChatCompletionsModel,
-    OpenAIResponsesModel,
     RunContextWrapper,
     Runner,
     Tool,
@@ -54,7 +55,7 @@ class Steps(AgentHooks):
         agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice=following)
 
 
-def weather_agent(base_url: str, calls: list[tuple[str, Any]], api: Literal["chat", "responses"] = "chat") -> Agent:
+def weather_tools(calls: list[tuple[str, Any]]) -> list[Tool]:
     @function_tool
     def get_weather(city: str) -> str:
         """The current weather in a city, in degrees Celsius."""
@@ -67,44 +68,55 @@ def weather_agent(base_url: str, calls: list[tuple[str, Any]], api: Literal["cha
         calls.append(("to_fahrenheit", celsius))
         return f"{celsius * 9 / 5 + 32:.1f} degrees Fahrenheit"
 
+    return [get_weather, to_fahrenheit]
+
+
+def weather_agent(base_url: str, calls: list[tuple[str, Any]], steered: bool) -> Agent:
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     order = ["get_weather", "to_fahrenheit"]
-    model = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
+    steering: dict[str, Any] = dict(reset_tool_choice=False, hooks=Steps(order)) if steered else {}
     return Agent(
         name="weather",
-        instructions="You answer questions about the weather in Fahrenheit. Use the tools.",
-        tools=[get_weather, to_fahrenheit],
-        model=model(model="smollm2", openai_client=client),
-        model_settings=ModelSettings(tool_choice=order[0], parallel_tool_calls=False, temperature=0, max_tokens=120),
-        reset_tool_choice=False,  # Steps decides the next choice
-        hooks=Steps(order),
+        instructions="You answer questions about the weather. Use the tools.",
+        tools=weather_tools(calls),
+        model=OpenAIChatCompletionsModel(model="smollm2", openai_client=client),
+        model_settings=ModelSettings(tool_choice=order[0] if steered else "required", parallel_tool_calls=False,
+                                     temperature=0, max_tokens=120),
+        **steering,
     )
 
 
-def check_run(calls: list[tuple[str, Any]], final_output: Any, items: list) -> None:
+async def run_agent(agent: Agent, streamed: bool) -> Any:
+    question = "What is the weather in Paris?"
+    if not streamed:
+        return await Runner.run(agent, question, max_turns=4)
+    # The SDK's streaming path assembles calls from deltas and raises on an id or name that changes.
+    result = Runner.run_streamed(agent, question, max_turns=4)
+    async for _ in result.stream_events():
+        pass
+    return result
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_agent_with_the_sdks_tool_choice_defaults(base_url: str, streamed: bool) -> None:
+    """Under `auto` (after the first, forced call) SmolLM2 may answer or call once more: whether it
+    does is a near-tie that flash attention's rounding can flip with what the prefix cache holds, so
+    one or two tool rounds both count, as long as the run ends in an answer within max_turns."""
+    calls: list[tuple[str, Any]] = []
+    result = asyncio.run(run_agent(weather_agent(base_url, calls, steered=False), streamed))
+    assert 1 <= len(calls) <= 2 and all(name in ("get_weather", "to_fahrenheit") for name, _ in calls)
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem"] * len(calls) + ["MessageOutputItem"]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_agent_with_a_steered_workflow(base_url: str, streamed: bool) -> None:
+    calls: list[tuple[str, Any]] = []
+    result = asyncio.run(run_agent(weather_agent(base_url, calls, steered=True), streamed))
     assert [name for name, _ in calls] == ["get_weather", "to_fahrenheit"]
     assert isinstance(calls[0][1], str) and calls[0][1]  # the SDK parsed and validated the arguments
     assert isinstance(calls[1][1], float)
-    kinds = [type(item).__name__ for item in items]
+    kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem", "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
-    assert isinstance(final_output, str) and final_output.strip()
-
-
-def test_agent_runs_to_its_final_output(base_url: str) -> None:
-    calls: list[tuple[str, Any]] = []
-    result = asyncio.run(Runner.run(weather_agent(base_url, calls), "What is the weather in Paris?", max_turns=4))
-    check_run(calls, result.final_output, result.new_items)
-
-
-def test_streamed_agent_runs_to_its_final_output(base_url: str) -> None:
-    """The SDK's streaming path assembles calls from deltas and raises on an id or name that changes."""
-    calls: list[tuple[str, Any]] = []
-
-    async def run() -> Any:
-        result = Runner.run_streamed(weather_agent(base_url, calls), "What is the weather in Paris?", max_turns=4)
-        async for _ in result.stream_events():
-            pass
-        return result
-
-    result = asyncio.run(run())
-    check_run(calls, result.final_output, result.new_items)
+    assert isinstance(result.final_output, str) and result.final_output.strip()

@@ -8,6 +8,7 @@ import pytest
 from openai import OpenAI
 
 from conftest import serve
+from kvserve.testing import read_metrics
 
 SYSTEM = "You are the archivist of a large library. Answer with the shelf number and nothing else. " * 3
 
@@ -15,11 +16,6 @@ SYSTEM = "You are the archivist of a large library. Answer with the shelf number
 def _chat(question: str) -> dict:
     return {"model": "any", "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
-
-
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or
-               line.startswith(name + "{"))
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +53,12 @@ def test_cache_view_and_metrics(url: str) -> None:
     assert view["enabled"] and view["held_pages"] > 0 and view["page_rows"] == 16
     assert view["chains"] and all({"id", "tokens", "pages_alive", "hits", "preview"} <= set(c) for c in view["chains"])
     assert view["pool"]["used_cells"] == view["held_pages"] * 16  # idle: only the cache holds cells
-    metrics = httpx.get(f"{url}/metrics").text
-    assert _metric(metrics, "kvserve_prefix_cache_hit_tokens_total") > 0
-    assert _metric(metrics, "kvserve_prefix_cache_queried_tokens_total") >= _metric(
-        metrics, "kvserve_prefix_cache_hit_tokens_total")
-    assert _metric(metrics, "kvserve_prefix_cache_held_pages") == view["held_pages"]
-    assert 0 < _metric(metrics, "kvserve_kv_cache_usage_ratio") <= 1
+    metrics = read_metrics(url)
+    assert metrics.value("kvserve_prefix_cache_hit_tokens_total") > 0
+    assert metrics.value("kvserve_prefix_cache_queried_tokens_total") >= metrics.value(
+        "kvserve_prefix_cache_hit_tokens_total")
+    assert metrics.value("kvserve_prefix_cache_held_pages") == view["held_pages"]
+    assert 0 < metrics.value("kvserve_kv_cache_usage_ratio") <= 1
 
 
 def test_bad_match_body_is_a_400(url: str) -> None:
@@ -79,7 +75,8 @@ def test_hybrid_model_serves_checkpoints(tiny) -> None:
         view = httpx.get(f"{base}/v1/cache").json()
         kinds = {c["kind"] for c in view["checkpoints"]}
         assert "opening" in kinds and 0 < view["state_bytes"] <= view["state_budget_bytes"]
-        metrics = httpx.get(f"{base}/metrics").text
-        assert _metric(metrics, "kvserve_prefix_state_hits_total") >= 1
-        assert _metric(metrics, "kvserve_prefix_state_bytes") == view["state_bytes"]
-        assert 'kvserve_prefix_state_checkpoints{kind="opening"}' in metrics
+        metrics = read_metrics(base)
+        assert metrics.value("kvserve_prefix_state_hits_total") >= 1
+        assert metrics.value("kvserve_prefix_state_bytes") == view["state_bytes"]
+        openings = sum(c["kind"] == "opening" for c in view["checkpoints"])
+        assert metrics.value("kvserve_prefix_state_checkpoints", kind="opening") == openings

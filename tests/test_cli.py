@@ -1,11 +1,15 @@
-"""The command line: a bad value or a missing model is one clear line and exit status 2."""
+"""The command line: a bad value or a missing model is one clear line and exit status 2; the
+harness spells settings as the flags kvserve parses."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from kvserve.testing import kvserve_command
 
 
 @pytest.mark.parametrize("args, says", [
@@ -28,3 +32,19 @@ def test_env_vars_are_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings(_cli_parse_args=[])
     assert settings.port == 8123 and settings.prefix_cache is False
     assert Settings(_cli_parse_args=["--port", "9000"]).port == 9000  # flags win
+
+
+def test_kvserve_command_spells_settings_as_the_flags_they_parse_from(tmp_path: Path) -> None:
+    from kvserve.config import Settings
+
+    model = tmp_path / "model.gguf"
+    model.touch()  # the settings only check that the file exists
+    chosen = {"model": model, "port": 9000, "ctx_size": 4096, "prefix_cache": False, "metrics_need_key": True,
+              "drain_timeout": 1.5, "log_format": "json"}
+    command = kvserve_command(**chosen, metrics_compat=None)
+    assert command[:3] == [sys.executable, "-m", "kvserve"]
+    parsed = Settings(_cli_parse_args=command[3:])
+    assert {name: getattr(parsed, name) for name in chosen} == chosen
+    assert parsed.host == "127.0.0.1" and parsed.metrics_compat is None
+    with pytest.raises(TypeError, match="ctx"):
+        kvserve_command(ctx=4096)

@@ -7,11 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import serve
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_prefix_cache_by_hand_attaches_the_system_prompt() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "prefix_cache_by_hand.py")],
+def test_prefix_cache_by_hand_attaches_the_system_prompt(tiny) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "prefix_cache_by_hand.py"), str(tiny("lfm2"))],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
@@ -28,3 +30,14 @@ def test_prefix_cache_by_hand_attaches_the_system_prompt() -> None:
     restored = re.search(r"B restored the checkpoint at (\d+)", out)
     assert stopped and restored, out
     assert int(stopped.group(1)) == int(restored.group(1)) == opening > 0 and int(stopped.group(2)) > 0
+
+
+def test_tool_agent_calls_a_tool_and_answers(smollm2: Path) -> None:
+    with serve(smollm2, threads=1) as url:
+        done = subprocess.run([sys.executable, str(ROOT / "examples" / "tool_agent.py"), "--url", url],
+                              capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    calls = re.findall(r"^called (get_weather|to_fahrenheit)\((\{.*\})\) -> (.+)$", done.stdout, re.MULTILINE)
+    assert calls and calls[0][0] == "get_weather", done.stdout  # the first turn required a call
+    answer = re.search(r"^answer: (.+)", done.stdout, re.MULTILINE)
+    assert answer and answer.group(1).strip(), done.stdout

@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet_processes import Fleet, fleet, missing_router
+from kvserve.testing.fleet import Fleet, fleet, missing_router, served
 
 QUESTIONS_PER_PREFIX = 6
 CONCURRENCY = 8
 MODEL = "fleet"  # smg routes on the body's model: every replica serves it under one name
-REPLICA_FLAGS = ["--model-alias", MODEL, "--threads", "1", "--parallel", "8", "--ctx-size", "4096"]
+REPLICA_SETTINGS = {"model_alias": MODEL, "threads": 1, "parallel": 8, "ctx_size": 4096}
 
 
 def system_prompt(desk: str) -> str:
@@ -85,7 +85,7 @@ def holders(f: Fleet, desk: str) -> list[int]:
 def test_prefixes_stick_to_a_replica_and_a_dead_replica_costs_only_retries(router: str, tiny, tmp_path: Path) -> None:
     if reason := missing_router(router):
         pytest.skip(reason)
-    with fleet(tiny("llama"), tmp_path, router, "cache_aware", REPLICA_FLAGS) as f:
+    with fleet(tiny("llama"), tmp_path, router, "cache_aware", REPLICA_SETTINGS) as f:
         shared = {desk: shared_tokens(f.replicas[0].url, desk) for desk in PREFIXES}
         assert min(shared.values()) > 400
 
@@ -104,11 +104,11 @@ def test_prefixes_stick_to_a_replica_and_a_dead_replica_costs_only_retries(route
 
         # The replica of the first desk dies; every later request must still be answered, by the other.
         victim = where["orchard"][0]
-        f.replicas[victim].process.kill()
+        f.replicas[victim].kill()
         survivor = f.replicas[1 - victim]
-        before = survivor.served()
+        before = served(survivor)
         for i in range(3):
             for desk in PREFIXES:
                 eventually(f.url, chat(desk, f"After the outage, question {i}?"))
-        assert survivor.served() - before >= 3 * len(PREFIXES)
+        assert served(survivor) - before >= 3 * len(PREFIXES)
         assert f.router.alive()

@@ -2,10 +2,13 @@
 completions, responses (create, retrieve, delete), models, prefix match and the router routes (render,
 tokenize, detokenize). No 5xx,
 and every answer matches the status codes, content types and schemas the document promises
-(errors in the OpenAI shape included)."""
+(errors in the OpenAI shape included). A second pass makes every chat body carry tools (with
+tool_choice, parallel_tool_calls, arbitrary parameter schemas and tool messages as generated) and
+serves them with a Hermes-style template, whose lazy grammar and parser they then reach."""
 
 from __future__ import annotations
 
+import copy
 from typing import Iterator
 
 import pytest
@@ -27,7 +30,23 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 # The document is static: it comes from the app without loading a model.
-schema = schemathesis.openapi.from_dict(create_app(Settings()).openapi()).include(path_regex=FUZZED)
+DOCUMENT = create_app(Settings()).openapi()
+schema = schemathesis.openapi.from_dict(DOCUMENT).include(path_regex=FUZZED)
+
+
+def _with_tools_required(document: dict) -> dict:
+    """The document with `tools` in every chat body, and a tool_call_id on every message (the
+    document cannot say that only tool messages need one; most generated tool messages would lack it)."""
+    document = copy.deepcopy(document)
+    schemas = document["components"]["schemas"]
+    schemas["ChatCompletionRequest"]["required"].append("tools")
+    schemas["Message"]["required"].append("tool_call_id")
+    schemas["Message"]["properties"]["tool_call_id"] = {"type": "string", "minLength": 1}
+    return document
+
+
+tool_schema = schemathesis.openapi.from_dict(_with_tools_required(DOCUMENT)).include(
+    path_regex=r"^/v1/chat/completions$")
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +60,15 @@ def base_url(tiny) -> Iterator[str]:
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 def test_openapi_fuzz(case: schemathesis.Case, base_url: str) -> None:
     case.call_and_validate(base_url=base_url, checks=CHECKS)
+
+
+@pytest.fixture(scope="module")
+def hermes_url(tiny) -> Iterator[str]:
+    with serve(tiny("llama", "hermes"), threads=1, ctx_size=512, parallel=4) as url:
+        yield url
+
+
+@tool_schema.parametrize()
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+def test_openapi_fuzz_with_tools(case: schemathesis.Case, hermes_url: str) -> None:
+    case.call_and_validate(base_url=hermes_url, checks=CHECKS)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 import time
-from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import openai
@@ -16,6 +17,7 @@ from conftest import engine, greedy, run, served
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context, DecodeError
 from kvserve.scheduler.request import RequestOutput
+from kvserve.testing import wait_until
 from test_openai_api import assert_openai_error
 
 LONG = {"prompt": "hi", "max_tokens": 1500, "ignore_eos": True}  # runs for a while on the tiny model
@@ -28,12 +30,14 @@ def server(tiny) -> Iterator[tuple[str, FastAPI]]:
 
 
 def engine_idle(app: FastAPI, timeout: float = 10) -> bool:
-    """True once nothing is in flight and every sequence id not lent to the cache is free."""
+    """True once nothing is in flight and every sequence id not lent to the cache is free. The
+    scheduler must have no work left too: mid-step, the snapshot is the previous step's."""
     engine = app.state.engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         snapshot = engine.scheduler.snapshot
-        if not engine.async_engine.in_flight and snapshot.running == 0 and snapshot.waiting == 0:
+        if (not engine.async_engine.in_flight and not engine.scheduler.has_work() and snapshot.running == 0
+                and snapshot.waiting == 0):
             return True
         time.sleep(0.02)
     return False
@@ -67,27 +71,62 @@ def test_request_id_is_echoed_or_made(server) -> None:
     assert made != "bad id\twith spaces" and len(made) == 32
 
 
-def test_non_streamed_client_that_times_out_frees_its_sequence(server) -> None:
+class HeldDecodes:
+    """Every llama_decode of `ctx` after the first `after` waits until `release()`: while held, the
+    engine can neither answer nor finish anything, however fast the machine."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, ctx: Context, after: int = 0) -> None:
+        self.decodes = 0
+        self._released = threading.Event()
+        real_decode, calls = ctx.decode, itertools.count()
+
+        def held(batch: Batch) -> None:
+            if next(calls) >= after:
+                self._released.wait()
+            self.decodes += 1
+            real_decode(batch)
+
+        monkeypatch.setattr(ctx, "decode", held)
+
+    def release(self) -> None:
+        self._released.set()
+
+
+@pytest.fixture
+def hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., HeldDecodes]]:
+    """hold(ctx, after=0) -> HeldDecodes; whatever the test does, the engine is let go at its end."""
+    made: list[HeldDecodes] = []
+
+    def hold_decodes(ctx: Context, after: int = 0) -> HeldDecodes:
+        made.append(HeldDecodes(monkeypatch, ctx, after))
+        return made[-1]
+
+    yield hold_decodes
+    for held in made:
+        held.release()
+
+
+def hung_up(app: FastAPI) -> None:
+    """Wait until the server has seen its client leave: the request is no longer in flight."""
+    wait_until(lambda: app.state.engine.async_engine.in_flight == 0, 30, "the server noticing the hang-up")
+
+
+def test_non_streamed_client_that_times_out_frees_its_sequence(server, hold) -> None:
     url, app = server
+    held = hold(app.state.engine.pool.ctx)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=LONG, timeout=0.5)
-    assert engine_idle(app, timeout=5), "the abandoned request kept running"
+    hung_up(app)
+    held.release()
+    assert engine_idle(app, timeout=5) and held.decodes < LONG["max_tokens"], "the abandoned request kept running"
     assert app.state.engine.pool.sessions == []
 
 
-def test_openai_stream_that_times_out_frees_its_sequence(server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine stalls mid-stream (every decode after the fifth takes a second); the client's read
-    timeout fires, it hangs up, and the sequence is freed one step later."""
+def test_openai_stream_that_times_out_frees_its_sequence(server, hold) -> None:
+    """The engine stalls mid-stream (decodes after the fifth are held); the client's read timeout
+    fires, it hangs up, and the sequence is freed one step after the engine moves again."""
     url, app = server
-    ctx = app.state.engine.pool.ctx
-    real_decode, calls = ctx.decode, iter(range(10**9))
-
-    def stalling(batch: Batch) -> None:
-        if next(calls) >= 5:
-            time.sleep(1.0)
-        real_decode(batch)
-
-    monkeypatch.setattr(ctx, "decode", stalling)
+    held = hold(app.state.engine.pool.ctx, after=5)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=0.5)
     chunks = 0
     with pytest.raises(openai.APITimeoutError):
@@ -95,7 +134,9 @@ def test_openai_stream_that_times_out_frees_its_sequence(server, monkeypatch: py
                                            max_tokens=LONG["max_tokens"], extra_body={"ignore_eos": True}):
             chunks += 1
     assert chunks >= 3  # it timed out mid-stream, not before it began
-    assert engine_idle(app, timeout=5), "the abandoned stream kept running"
+    hung_up(app)
+    held.release()
+    assert engine_idle(app, timeout=5) and held.decodes < LONG["max_tokens"], "the abandoned stream kept running"
     assert app.state.engine.pool.sessions == []
 
 
@@ -124,13 +165,21 @@ def test_failed_decode_fails_only_its_batch(server, monkeypatch: pytest.MonkeyPa
     assert engine_idle(app) and app.state.engine.pool.sessions == []
 
 
-def test_burst_past_the_queue_gets_429s(tiny) -> None:
-    """2 running + 4 waiting are accepted; the other 14 of a burst of 20 are turned away at once."""
+def test_burst_past_the_queue_gets_429s(tiny, hold) -> None:
+    """2 running + 4 waiting are accepted; the other 14 of a burst of 20 are turned away at once. The
+    engine is held until each request is answered or in flight, so none finishes and makes room."""
     with served(tiny("llama"), threads=1, parallel=2, max_queue=4) as (url, app):
+        held = hold(app.state.engine.pool.ctx)
+
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=120) as client:
                 body = {**LONG, "max_tokens": 300}
-                return await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(20)))
+                posts = [asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for _ in range(20)]
+                await asyncio.to_thread(
+                    wait_until, lambda: sum(p.done() for p in posts) + app.state.engine.async_engine.in_flight == 20,
+                    60, "each request answered or in flight")
+                held.release()
+                return await asyncio.gather(*posts)
 
         responses = asyncio.run(burst())
         codes = sorted(r.status_code for r in responses)
@@ -143,14 +192,27 @@ def test_burst_past_the_queue_gets_429s(tiny) -> None:
         assert engine_idle(app)
 
 
-def test_request_waiting_past_the_queue_timeout_gets_503(tiny) -> None:
-    with served(tiny("llama"), threads=1, parallel=1, queue_timeout=0.3) as (url, app):
+def test_request_waiting_past_the_queue_timeout_gets_503(tiny, hold) -> None:
+    """The first request takes the one slot and cannot finish (decodes after its first are held);
+    the second waits past the queue timeout, and the step after the release fails it."""
+    queue_timeout = 0.3
+    with served(tiny("llama"), threads=1, parallel=1, queue_timeout=queue_timeout) as (url, app):
+        engine = app.state.engine
+        held = hold(engine.pool.ctx, after=1)
+
         async def two() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=120) as client:
                 first = asyncio.create_task(client.post(f"{url}/v1/completions", json=LONG))
-                await asyncio.sleep(0.1)
-                second = await client.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-                return [await first, second]
+                await asyncio.to_thread(wait_until, lambda: engine.scheduler.snapshot.running == 1, 30, "first running")
+                short = {"prompt": "hi", "max_tokens": 2}
+                second = asyncio.create_task(client.post(f"{url}/v1/completions", json=short))
+                await asyncio.to_thread(wait_until, lambda: engine.async_engine.in_flight == 2, 30, "second queued")
+                queued_by = time.monotonic()  # the second arrived before this
+                # A queue timeout is a duration: this waits it out, which no machine's speed shortens.
+                while time.monotonic() - queued_by <= queue_timeout:
+                    await asyncio.sleep(0.05)
+                held.release()
+                return [await first, await second]
 
         first, second = asyncio.run(two())
         assert first.status_code == 200

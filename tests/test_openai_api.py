@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from pathlib import Path
 from typing import Iterator
@@ -24,6 +23,7 @@ import openai
 import pytest
 
 from conftest import serve
+from kvserve.testing import read_metrics
 
 MODEL = "smollm2"  # kvserve serves one model and ignores the name a client asks for
 MATH = [{"role": "user", "content": "What is 2+2?"}]  # "The answer to this classic math problem is 4."
@@ -55,12 +55,9 @@ def chat_stream(client: openai.OpenAI, messages: list[dict], **kwargs) -> list:
     return list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, stream=True, **kwargs))
 
 
-def metric(base_url: str, name: str) -> float:
-    """One sample of /metrics; `name` includes its labels, as the exposition spells them."""
-    text = httpx.get(f"{base_url}/metrics").text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """One sample of /metrics, read now."""
+    return read_metrics(base_url).value(name, **labels)
 
 
 def streamed_text(chunks: list, index: int = 0) -> tuple[list[str], str | None]:
@@ -435,7 +432,7 @@ def test_abandoned_stream_frees_its_sequence(base_url: str, client: openai.OpenA
     stream = client.chat.completions.create(
         model=MODEL, messages=MATH, max_tokens=3000, logit_bias=no_eos, stream=True
     )
-    next(c for c in stream if c.choices[0].delta.content)  # the role chunk comes before admission
+    next(c for c in stream if c.choices[0].delta.content)  # the app answers once the engine has run it
     assert metric(base_url, "kvserve_requests_running") == 1
     stream.close()
     deadline = time.monotonic() + 5
@@ -446,15 +443,15 @@ def test_abandoned_stream_frees_its_sequence(base_url: str, client: openai.OpenA
 
 def test_metrics_count_a_request(base_url: str, client: openai.OpenAI) -> None:
     counters = {
-        "generation": "kvserve_generation_tokens_total",
-        "prompt": "kvserve_prompt_tokens_total",
-        "length": 'kvserve_request_success_total{finish_reason="length"}',
-        "ttft": 'kvserve_time_to_first_token_seconds_bucket{le="+Inf"}',
+        "generation": ("kvserve_generation_tokens_total", {}),
+        "prompt": ("kvserve_prompt_tokens_total", {}),
+        "length": ("kvserve_request_success_total", {"finish_reason": "length"}),
+        "ttft": ("kvserve_time_to_first_token_seconds_bucket", {"le": "+Inf"}),
     }
     chat_text(client, MATH, max_tokens=4)  # the "length" series exists from here on
-    before = {k: metric(base_url, name) for k, name in counters.items()}
+    before = {k: metric(base_url, name, **labels) for k, (name, labels) in counters.items()}
     r = client.chat.completions.create(model=MODEL, messages=MATH, temperature=0, max_tokens=4)
-    after = {k: metric(base_url, name) for k, name in counters.items()}
+    after = {k: metric(base_url, name, **labels) for k, (name, labels) in counters.items()}
 
     assert after["generation"] - before["generation"] == 4 and after["generation"] > 0
     assert after["prompt"] - before["prompt"] == r.usage.prompt_tokens

@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import engine, greedy, run
-from kvserve.cache import (
-    KvPool, attach, create_kv_pool, create_prefix_cache, insert, match_len, release, release_kv_pages,
-)
+from kvserve.cache import KvPool, PageCache, create_kv_pool
 from kvserve.llama.model import Model
 
 PAGE = 16
@@ -36,7 +34,7 @@ def _from_scratch(pool: KvPool, prompt: list[int], n: int) -> list[int]:
     try:
         return _generate(pool, session, prompt, n)
     finally:
-        release_kv_pages(pool, session)
+        pool.end_session(session)
 
 
 def _cells_held_by_llama(pool: KvPool, seqs: set[int]) -> int:
@@ -45,8 +43,8 @@ def _cells_held_by_llama(pool: KvPool, seqs: set[int]) -> int:
     return sum(ctx.seq_pos_max(s) - ctx.seq_pos_min(s) + 1 for s in seqs if ctx.seq_pos_max(s) >= 0)
 
 
-def _holder_seqs(pool: KvPool) -> set[int]:
-    return {node.holder.seq for node in pool.cache.tree._all_nodes()}
+def _holder_seqs(cache: PageCache) -> set[int]:
+    return {node.holder.seq for node in cache.tree._all_nodes()}
 
 
 @pytest.fixture(params=["tiny-llama", "smollm2"])
@@ -58,98 +56,94 @@ def model(request, tiny, smollm2) -> Model:
 
 
 def test_attach_then_tail_prefill_equals_scratch(model: Model) -> None:
-    pool = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=16)
-    cache = create_prefix_cache(pool)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=16)
     prompt_a = model.tokenize(SYSTEM + "Question: what is the capital of France?", add_special=True)
     prompt_b = model.tokenize(SYSTEM + "Question: name three colours of the rainbow.", add_special=True)
     shared = next(i for i, (x, y) in enumerate(zip(prompt_a, prompt_b)) if x != y)
 
     a = pool.new_session()
     out_a = _generate(pool, a, prompt_a, 8)
-    insert(pool, a, a.tokens, preview="A")
-    release_kv_pages(pool, a)
+    cache.insert(a, a.tokens, preview="A")
+    pool.end_session(a)
 
     expected = shared // PAGE * PAGE  # a partial match ending mid-prompt, on a page boundary
-    assert match_len(pool, prompt_b) == expected > 0
+    assert cache.match_len(prompt_b) == expected > 0
     b = pool.new_session()
-    assert attach(pool, b, prompt_b) == expected
+    assert cache.attach(b, prompt_b) == expected
     assert b.n_past == expected and pool.ctx.seq_pos_max(b.seq) == expected - 1
     out_b = _generate(pool, b, prompt_b[b.n_past :], 8)
-    release_kv_pages(pool, b)
+    pool.end_session(b)
 
     assert out_b == _from_scratch(pool, prompt_b, 8)
     assert _from_scratch(pool, prompt_a, 8) == out_a
-    release(pool)
+    cache.release()
     pool.close()
 
 
 def test_prompt_equal_to_a_chain_attaches_one_token_short(model: Model) -> None:
-    pool = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=16)
-    cache = create_prefix_cache(pool)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=16)
     prompt = model.tokenize(SYSTEM * 3, add_special=True)[: 3 * PAGE]  # exactly three pages
     assert len(prompt) == 3 * PAGE
     a = pool.new_session()
     pool.eval(a, prompt)
-    insert(pool, a, a.tokens)
-    release_kv_pages(pool, a)
+    cache.insert(a, a.tokens)
+    pool.end_session(a)
     assert cache.held_pages == 3
     # The whole prompt is cached, but the model must evaluate its last token to produce logits.
-    assert match_len(pool, prompt) == 2 * PAGE
+    assert cache.match_len(prompt) == 2 * PAGE
     b = pool.new_session()
-    attach(pool, b, prompt)
+    cache.attach(b, prompt)
     tail = prompt[b.n_past :]
     assert len(tail) == PAGE
     logits = pool.eval(b, tail)
-    release_kv_pages(pool, b)
+    pool.end_session(b)
     scratch = pool.new_session()
     assert int(np.argmax(pool.eval(scratch, prompt))) == int(np.argmax(logits))
-    release_kv_pages(pool, scratch)
-    release(pool)
+    pool.end_session(scratch)
+    cache.release()
     pool.close()
 
 
 def test_match_len_touches_nothing(tiny) -> None:
     model = Model(tiny("llama"))
-    pool = create_kv_pool(model, PAGE, n_ctx=1024, n_seq_max=8)
-    cache = create_prefix_cache(pool)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx=1024, n_seq_max=8)
     prompt = model.tokenize(SYSTEM + " and more", add_special=True)
     a = pool.new_session()
     pool.eval(a, prompt)
-    insert(pool, a, a.tokens, preview="a")
-    release_kv_pages(pool, a)
-    before = (cache.chain_list(), [n.last_access for n in cache.tree._all_nodes()])
-    assert match_len(pool, prompt) > 0
-    assert match_len(pool, prompt + [5, 6, 7]) > 0
-    after = (cache.chain_list(), [n.last_access for n in cache.tree._all_nodes()])
+    cache.insert(a, a.tokens, preview="a")
+    pool.end_session(a)
+    before = (cache.view()["chains"], [n.last_access for n in cache.tree._all_nodes()])
+    assert cache.match_len(prompt) > 0
+    assert cache.match_len(prompt + [5, 6, 7]) > 0
+    after = (cache.view()["chains"], [n.last_access for n in cache.tree._all_nodes()])
     assert after == before
     b = pool.new_session()
-    attach(pool, b, prompt)
-    assert cache.chain_list()[0]["hits"] == 1  # attach, unlike match_len, counts
-    release_kv_pages(pool, b)
-    release(pool)
+    cache.attach(b, prompt)
+    assert cache.view()["chains"][0]["hits"] == 1  # attach, unlike match_len, counts
+    pool.end_session(b)
+    cache.release()
     pool.close()
     model.close()
 
 
 def test_page_accounting_through_llama_positions(tiny) -> None:
     model = Model(tiny("llama"))
-    pool = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=32)
-    cache = create_prefix_cache(pool)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=32)
     base = model.tokenize(SYSTEM, add_special=True)
     for i in range(6):  # branches off a shared trunk, some sharing more than others
         tokens = base[: 20 + 9 * i] + model.tokenize(f" branch {i} " * (i + 1), add_special=False)
         s = pool.new_session()
-        if match_len(pool, tokens):
-            attach(pool, s, tokens)
+        if cache.match_len(tokens):
+            cache.attach(s, tokens)
         pool.eval(s, tokens[s.n_past :])
-        insert(pool, s, s.tokens)
-        release_kv_pages(pool, s)
+        cache.insert(s, s.tokens)
+        pool.end_session(s)
         held = cache.held_pages
-        assert _cells_held_by_llama(pool, _holder_seqs(pool)) == held * PAGE
+        assert _cells_held_by_llama(pool, _holder_seqs(cache)) == held * PAGE
         assert pool.used_cells == held * PAGE
     # shared trunk pages are held once: fewer pages than the chains' lengths add up to
-    assert cache.held_pages < sum(c["tokens"] for c in cache.chain_list()) // PAGE
-    release(pool)
+    assert cache.held_pages < sum(c["tokens"] for c in cache.view()["chains"]) // PAGE
+    cache.release()
     assert all(pool.ctx.seq_pos_max(s) == -1 for s in range(pool.ctx.n_seq_max))
     assert pool.free_ids == pool.ctx.n_seq_max
     pool.close()
@@ -158,15 +152,14 @@ def test_page_accounting_through_llama_positions(tiny) -> None:
 
 def test_closing_a_pool_the_cache_still_borrows_from_is_an_error(tiny) -> None:
     model = Model(tiny("llama"))
-    pool = create_kv_pool(model, PAGE, n_ctx=512, n_seq_max=4)
-    create_prefix_cache(pool)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx=512, n_seq_max=4)
     s = pool.new_session()
     pool.eval(s, list(range(10, 10 + 2 * PAGE + 3)))
-    insert(pool, s, s.tokens)
-    release_kv_pages(pool, s)
+    cache.insert(s, s.tokens)
+    pool.end_session(s)
     with pytest.raises(RuntimeError, match="release"):
         pool.close()
-    release(pool)
+    cache.release()
     pool.close()
     model.close()
 
@@ -206,29 +199,26 @@ def test_flood_of_distinct_prompts_under_small_context_never_fails(tiny) -> None
                            max_tokens=8) for i in range(40)]
         outs = run(e, requests)
         assert all(len(outs[r.id]) == 8 for r in requests)
-        cache = e.pool.cache
-        assert cache.stats.evicted_pages > 0
+        cache = e.cache
+        assert cache.stats().evicted_pages > 0
         assert e.pool.used_cells == cache.held_pages * PAGE <= e.pool.n_cells
-        assert _cells_held_by_llama(e.pool, _holder_seqs(e.pool)) == cache.held_pages * PAGE
+        assert _cells_held_by_llama(e.pool, _holder_seqs(cache)) == cache.held_pages * PAGE
 
 
 def test_held_cells_stay_under_the_cap_lru_first(tiny) -> None:
-    from kvserve.cache.prefix_cache import PrefixCache
-
     model = Model(tiny("llama"))
-    pool = create_kv_pool(model, PAGE, n_ctx=1024, n_seq_max=16)
-    cache = PrefixCache(pool, max_cells=4 * PAGE)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx=1024, n_seq_max=16, max_cells=4 * PAGE)
     prompts = [model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 12, add_special=True)
                for i in range(4)]
     for prompt in prompts:
         s = pool.new_session()
         pool.eval(s, prompt)
-        insert(pool, s, s.tokens)
-        release_kv_pages(pool, s)
+        cache.insert(s, s.tokens)
+        pool.end_session(s)
         assert cache.held_cells <= 4 * PAGE
-        assert _cells_held_by_llama(pool, _holder_seqs(pool)) == cache.held_cells
-    assert match_len(pool, prompts[-1]) > 0  # the newest donation survives
-    assert match_len(pool, prompts[0]) == 0  # the oldest went first
-    release(pool)
+        assert _cells_held_by_llama(pool, _holder_seqs(cache)) == cache.held_cells
+    assert cache.match_len(prompts[-1]) > 0  # the newest donation survives
+    assert cache.match_len(prompts[0]) == 0  # the oldest went first
+    cache.release()
     pool.close()
     model.close()

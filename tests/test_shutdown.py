@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 
-from bench.servers import free_port, wait_healthy
+from kvserve.testing import ServerProcess, wait_until
 
 KEY = "sk-very-secret-9f8e7d"
 
@@ -28,7 +25,14 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, started: asyn
     return lines
 
 
-async def _drain_scenario(url: str, process: subprocess.Popen) -> tuple[list[str], list[str], httpx.Response, int]:
+def _draining(log: Path) -> bool:
+    """The server has logged that it drains, so SIGTERM has been handled (a substring test: the
+    line being written may be read half-way)."""
+    return '"message": "draining:' in log.read_text()
+
+
+async def _drain_scenario(server: ServerProcess) -> tuple[list[str], list[str], httpx.Response, int]:
+    url = server.url
     headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "drain-test-1"}
     async with httpx.AsyncClient(timeout=60, headers=headers) as client:
         short_started, long_started = asyncio.Event(), asyncio.Event()
@@ -37,8 +41,8 @@ async def _drain_scenario(url: str, process: subprocess.Popen) -> tuple[list[str
         long = asyncio.create_task(_stream(client, url, {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True},
                                            long_started))
         await asyncio.wait_for(asyncio.gather(short_started.wait(), long_started.wait()), 30)
-        process.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
+        server.terminate()
+        await asyncio.to_thread(wait_until, lambda: _draining(server.log), 30, "the server logging that it drains")
         refused = await client.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         health = (await client.get(f"{url}/health")).status_code
         return await short, await long, refused, health
@@ -47,19 +51,12 @@ async def _drain_scenario(url: str, process: subprocess.Popen) -> tuple[list[str
 def test_sigterm_lets_streams_finish_or_end_with_an_error_then_exits_0(tiny, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text(f"# one key per line\n{KEY}\nsk-another\n")
-    port = free_port()
     log = tmp_path / "kvserve.log"
-    command = [sys.executable, "-m", "kvserve", "--model", str(tiny("llama")), "--port", str(port), "--threads", "1",
-               "--parallel", "2", "--drain-timeout", "1", "--api-key-file", str(keys), "--log-format", "json"]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process)
-        short, long, refused, health = asyncio.run(_drain_scenario(url, process))
-        assert process.wait(timeout=30) == 0
-    finally:
-        process.kill()
+    with ServerProcess.kvserve(log, model=tiny("llama"), threads=1, parallel=2, drain_timeout=1,
+                               api_key_file=keys, log_format="json") as server:
+        server.wait_healthy()
+        short, long, refused, health = asyncio.run(_drain_scenario(server))
+        assert server.wait(timeout=30) == 0
 
     assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
     assert long[-1] == "[DONE]" and "shutting down" in json.loads(long[-2])["error"]["message"]

@@ -11,8 +11,7 @@ import pytest
 
 from conftest import engine, greedy, run
 from kvserve.cache import (
-    StateCache, add_assistant, add_user, attach, checkpoint_at, create_chat_renderer, create_kv_pool,
-    create_prefix_cache, insert, match_len, release, release_kv_pages, render_turn_marked,
+    MarkKind, StateCache, add_assistant, add_user, create_chat_renderer, create_kv_pool, render_turn_marked,
 )
 from kvserve.cache.chat_marks import mark_messages
 from kvserve.llama.model import Model
@@ -32,50 +31,88 @@ def _greedy(pool, session, logits: np.ndarray, n: int) -> list[int]:
 @pytest.mark.parametrize("arch", STATE_ARCHS)
 def test_restored_checkpoint_equals_scratch_by_hand(tiny, arch: str) -> None:
     model = Model(tiny(arch))
-    pool = create_kv_pool(model, 16, n_ctx=2048, n_seq_max=8)
-    cache = create_prefix_cache(pool, max_states=4, state_budget_bytes=1 << 20)
+    pool, cache = create_kv_pool(model, 16, n_ctx=2048, n_seq_max=8, max_states=4, state_budget_bytes=1 << 20)
     assert isinstance(cache, StateCache)
     chat_a = create_chat_renderer(model, SYSTEM)
     add_user(chat_a, "Where is parcel 17?")
     turn_a = render_turn_marked(model, chat_a)
     a = pool.new_session()
-    stop = checkpoint_at(pool, a, turn_a.tokens, 0, turn_a.opening)
+    stop = cache.checkpoint_at(a, turn_a.tokens, 0, turn_a.opening)
     assert stop == turn_a.opening > 16
     pool.eval(a, turn_a.tokens[:stop])
-    insert(pool, a, a.tokens, opening=True)  # between two evals: the state where A stands
+    cache.insert(a, a.tokens, kind=MarkKind.OPENING)  # between two evals: the state where A stands
     _greedy(pool, a, pool.eval(a, turn_a.tokens[stop:]), 4)
-    release_kv_pages(pool, a)
+    pool.end_session(a)
 
     chat_b = create_chat_renderer(model, SYSTEM)
     add_user(chat_b, "How long does a route to Oslo take?")
     turn_b = render_turn_marked(model, chat_b)
     assert turn_b.opening == turn_a.opening  # the opening does not depend on the question
-    assert match_len(pool, turn_b.tokens) == turn_b.opening
+    assert cache.match_len(turn_b.tokens) == turn_b.opening
     b = pool.new_session()
-    assert attach(pool, b, turn_b.tokens) == turn_b.opening
-    assert checkpoint_at(pool, b, turn_b.tokens, b.n_past, turn_b.opening) == 0  # already cached there
+    assert cache.attach(b, turn_b.tokens) == turn_b.opening
+    assert cache.checkpoint_at(b, turn_b.tokens, b.n_past, turn_b.opening) == 0  # already cached there
     restored = _greedy(pool, b, pool.eval(b, turn_b.tokens[b.n_past :]), 12)
-    release_kv_pages(pool, b)
+    pool.end_session(b)
     scratch = pool.new_session()
     assert _greedy(pool, scratch, pool.eval(scratch, turn_b.tokens), 12) == restored
-    release_kv_pages(pool, scratch)
-    assert cache.chain_list()[0]["kind"] == "opening" and cache.chain_list()[0]["hits"] == 1
-    release(pool)
+    pool.end_session(scratch)
+    assert cache.view()["checkpoints"][0]["kind"] == "opening" and cache.view()["checkpoints"][0]["hits"] == 1
+    cache.release()
     pool.close()
     model.close()
 
 
 def test_attention_models_take_no_checkpoints(tiny) -> None:
     model = Model(tiny("llama"))
-    pool = create_kv_pool(model, 16, n_ctx=1024, n_seq_max=4)
-    create_prefix_cache(pool)
+    pool, cache = create_kv_pool(model, 16, n_ctx=1024, n_seq_max=4)
     chat = create_chat_renderer(model, SYSTEM)
     add_user(chat, "hello")
     turn = render_turn_marked(model, chat)
     session = pool.new_session()
-    assert all(checkpoint_at(pool, session, turn.tokens, 0, mark) == 0 for mark, _ in turn.stops())
-    release_kv_pages(pool, session)
-    release(pool)
+    assert all(cache.checkpoint_at(session, turn.tokens, 0, mark.position) == 0 for mark in turn.checkpoint_marks())
+    pool.end_session(session)
+    cache.release()
+    pool.close()
+    model.close()
+
+
+def _evaluated(pool, cache, tokens: list[int]):
+    """A session that evaluated `tokens` after restoring what the cache holds of them."""
+    session = pool.new_session()
+    cache.attach(session, tokens)
+    pool.eval(session, tokens[session.n_past :])
+    return session
+
+
+def test_hybrid_holders_keep_exactly_the_cells_counted(tiny) -> None:
+    """Two conversations restored from one checkpoint V take their own checkpoints; V is evicted first.
+    Its cells stay, under the two later holders, and are counted once; every eviction counts the
+    cells llama.cpp really gave back."""
+    model = Model(tiny("lfm2"))
+    pool, cache = create_kv_pool(model, 16, n_ctx=1024, n_seq_max=8, max_states=4, state_budget_bytes=1 << 20)
+    tokens = model.tokenize(SYSTEM * 5, add_special=True)
+    a = _evaluated(pool, cache, tokens[:40])
+    base = cache.insert(a, a.tokens)
+    pool.end_session(a)
+    b = _evaluated(pool, cache, tokens[:41])
+    c = _evaluated(pool, cache, tokens[:42])  # restored last: V is now older than anything b or c saves
+    pool.eval(b, tokens[41:70])
+    pool.eval(c, tokens[42:90])
+    first, second = cache.insert(b, b.tokens), cache.insert(c, c.tokens)
+    pool.end_session(b)
+    pool.end_session(c)
+    assert [pool.ctx.seq_pos_max(c.holder) for c in (base, first, second)] == [39, 69, 89]
+    assert cache.held_cells == pool.used_cells == 90 + 70 - 40  # the 40 shared cells once
+
+    holder = base.holder
+    cache.free_a_seq_id()  # takes the least recently used: V
+    assert pool.ctx.seq_pos_max(holder) == -1 and base not in cache.checkpoints
+    assert cache.held_cells == 90 + 70 - 40 and cache.stats().evicted_pages == 0  # nothing was freed
+    assert pool.make_room(pool.n_cells)  # every cell: the rest must go
+    assert all(pool.ctx.seq_pos_max(s) == -1 for s in range(pool.ctx.n_seq_max))
+    assert cache.held_cells == 0 and cache.stats().evicted_pages == -(-(90 + 70 - 40) // 16)
+    cache.release()
     pool.close()
     model.close()
 
@@ -83,7 +120,7 @@ def test_attention_models_take_no_checkpoints(tiny) -> None:
 def _chat_request(e, messages: list[dict], max_tokens: int = 8):
     turn = mark_messages(e.model, e.template, messages)
     request = greedy(turn.tokens, max_tokens=max_tokens)
-    request.stops = turn.stops()
+    request.marks = turn.checkpoint_marks()
     return request, turn
 
 
@@ -124,11 +161,11 @@ def test_conversations_prefill_only_what_they_do_not_share(tiny, arch: str) -> N
 def test_flood_keeps_the_budget_and_evicts_conversations_first(tiny, arch: str) -> None:
     path = tiny(arch)
     with engine(path, prefix_states=16) as e:
-        cache = e.pool.cache
+        cache = e.cache
         probe = e.pool.new_session()
         e.pool.eval(probe, e.model.tokenize("a state to measure", add_special=True))
         state_size = e.pool.ctx.state_size(probe.seq)
-        e.pool.release_kv_pages(probe)
+        e.pool.end_session(probe)
         # Room for four states: two openings, the running turn's locked close, and its end-of-turn,
         # so every older conversation checkpoint must go before an opening does.
         cache.budget_bytes = 4 * state_size
@@ -143,6 +180,8 @@ def test_flood_keeps_the_budget_and_evicts_conversations_first(tiny, arch: str) 
                 e.scheduler.step()
                 peak = max(peak, cache.bytes_used)
                 assert cache.bytes_used <= cache.budget_bytes
-        kinds = [c["kind"] for c in cache.chain_list()]
+        kinds = [c["kind"] for c in cache.view()["checkpoints"]]
         assert kinds.count("opening") == 2, kinds  # both system openings kept
-        assert cache.stats.state_evictions > 0 and peak == 4 * state_size
+        assert cache.stats().state_evictions > 0 and peak == 4 * state_size
+        if arch == "lfm2":  # a hybrid's conversation checkpoints keep attention cells: evicting them frees some
+            assert e.scheduler.snapshot.cache.evicted_pages > 0

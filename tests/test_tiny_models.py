@@ -13,7 +13,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from tiny_models import ARCHS, write_tiny_model
+from kvserve.testing.tiny_models import ARCHS, write_tiny_model
 
 # (is_recurrent, is_hybrid) per arch.
 MEMORY_KIND = {"llama": (False, False), "lfm2": (False, True), "mamba": (True, False)}

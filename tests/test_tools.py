@@ -33,7 +33,7 @@ from kvserve.tools import (
 )
 from kvserve.tools.grammar import tool_grammar
 from kvserve.tools.parser import ToolCallParser
-from tiny_models import TEMPLATES
+from kvserve.testing.tiny_models import TEMPLATES
 
 ADD = FunctionTool("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                            "required": ["a", "b"]})

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Iterator
 
@@ -12,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import serve, settings
+from kvserve.testing import read_metrics
 
 SYSTEM = "You are the archivist of a large library. Answer with the shelf number and nothing else. " * 3
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is Dune?"}]
@@ -111,10 +111,6 @@ def test_health_is_503_until_the_model_is_loaded(model: Path) -> None:
     assert (response.status_code, response.json()) == (503, {"status": "loading"})
 
 
-def _samples(text: str, prefix: str) -> dict[str, float]:
-    return {m[1]: float(m[2]) for m in re.finditer(rf"^({re.escape(prefix)}\S*) (\S+)$", text, re.MULTILINE)}
-
-
 def test_vllm_metrics_are_off_by_default(url: str) -> None:
     assert "vllm:" not in httpx.get(f"{url}/metrics").text
 
@@ -124,13 +120,14 @@ def test_vllm_metrics_mirror_the_kvserve_ones(model: Path) -> None:
         for question in ("Where is Dune?", "Where is Emma?"):  # the second attaches the system prompt
             messages = [MESSAGES[0], {"role": "user", "content": question}]
             _served_prompt_tokens(base, "/v1/chat/completions", {"messages": messages})
-        text = httpx.get(f"{base}/metrics").text
-    vllm = _samples(text, "vllm:")
-    kvserve = _samples(text, "kvserve_")
-    label = f'{{model_name="{model.stem}"}}'
-    assert vllm[f"vllm:num_requests_running{label}"] == kvserve["kvserve_requests_running"] == 0
-    assert vllm[f"vllm:num_requests_waiting{label}"] == kvserve["kvserve_requests_waiting"] == 0
-    assert vllm[f"vllm:kv_cache_usage_perc{label}"] == kvserve["kvserve_kv_cache_usage_ratio"] > 0
-    hits = vllm[f"vllm:prefix_cache_hits_total{label}"]
-    assert hits == kvserve["kvserve_prefix_cache_hit_tokens_total"] > 0
-    assert vllm[f"vllm:prefix_cache_queries_total{label}"] == kvserve["kvserve_prefix_cache_queried_tokens_total"] > hits
+        metrics = read_metrics(base)
+
+    def vllm(name: str) -> float:
+        return metrics.value(f"vllm:{name}", model_name=model.stem)
+
+    assert vllm("num_requests_running") == metrics.value("kvserve_requests_running") == 0
+    assert vllm("num_requests_waiting") == metrics.value("kvserve_requests_waiting") == 0
+    assert vllm("kv_cache_usage_perc") == metrics.value("kvserve_kv_cache_usage_ratio") > 0
+    hits = vllm("prefix_cache_hits_total")
+    assert hits == metrics.value("kvserve_prefix_cache_hit_tokens_total") > 0
+    assert vllm("prefix_cache_queries_total") == metrics.value("kvserve_prefix_cache_queried_tokens_total") > hits

@@ -11,12 +11,26 @@ the same tokens, so marks sit where conversations agree:
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.model import Model
 
 _SENTINEL = "\u2063kvserve-mark\u2063"  # invisible separator: never produced by a real template
+
+
+class MarkKind(str, enum.Enum):
+    """Who can reuse a checkpoint taken at a mark; the state cache evicts conversation ones first."""
+
+    OPENING = "opening"  # every conversation on this system prompt (`head`, `opening`)
+    CONVERSATION = "conversation"  # this conversation's next turns (`stable`, `close`)
+
+
+@dataclass(frozen=True)
+class Mark:
+    position: int  # tokens before it
+    kind: MarkKind
 
 
 @dataclass
@@ -35,15 +49,16 @@ class MarkedTurn:
     stable: int
     close: int
 
-    def stops(self) -> list[tuple[int, bool]]:
-        """(position, is_opening) for each distinct useful mark, shallowest first. A stop must leave
-        at least one prompt token to evaluate, so the model can produce the next logits."""
-        marks = [(self.head, True), (self.opening, True), (self.stable, False), (self.close, False)]
-        seen: dict[int, bool] = {}
-        for position, opening in marks:
+    def checkpoint_marks(self) -> list[Mark]:
+        """Each distinct useful mark, shallowest first. A prefill stopped at a mark must leave at
+        least one prompt token to evaluate, so the model can produce the next logits."""
+        marks = [(self.head, MarkKind.OPENING), (self.opening, MarkKind.OPENING),
+                 (self.stable, MarkKind.CONVERSATION), (self.close, MarkKind.CONVERSATION)]
+        seen: dict[int, MarkKind] = {}
+        for position, kind in marks:
             if 0 < position < len(self.tokens) and position not in seen:
-                seen[position] = opening
-        return sorted(seen.items())
+                seen[position] = kind
+        return [Mark(position, kind) for position, kind in sorted(seen.items())]
 
 
 def create_chat_renderer(model: Model, system: str | None = None) -> Chat:

@@ -1,26 +1,23 @@
-"""The KV pool: one context's cells and sequence ids, cut into pages, handed out as sessions.
+"""The KV pool: one context's cells and sequence ids, handed out as sessions.
 
-Invariant (checked by tests through llama.cpp's own positions): the cells in use equal
-`held_pages * page_rows` of the prefix cache plus the `private_cells` of every live session.
-A session's first `shared` tokens sit on cells somebody else accounts for (cache pages it
-attached, or the prompt of the sibling it was forked from); the rest are its own.
+The pool is a leaf: whoever else keeps cells and sequence ids of its context (the prefix cache)
+is a `Lender` it was given at construction, which it asks for room and tells when a session ends.
+
+Invariant (checked by tests through llama.cpp's own positions): the cells in use equal the
+lender's `held_cells` plus the `private_cells` of every live session. A session's first `shared`
+tokens sit on cells somebody else accounts for (cache pages it attached, or the prompt of the
+sibling it was forked from); the rest are its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 import numpy as np
 
 from kvserve.llama.batch import Batch
-from kvserve.llama.context import Context, ContextParams
-from kvserve.llama.model import Model
-
-if TYPE_CHECKING:
-    from kvserve.cache.page_tree import PageNode
-    from kvserve.cache.prefix_cache import PrefixCache
-    from kvserve.cache.state_cache import Checkpoint, StateCache
+from kvserve.llama.context import Context
 
 
 class PoolExhausted(RuntimeError):
@@ -34,7 +31,6 @@ class Session:
     seq: int
     tokens: list[int] = field(default_factory=list)
     shared: int = 0
-    attached: list["PageNode | Checkpoint"] = field(default_factory=list)  # what it borrows from the cache (locked)
 
     @property
     def n_past(self) -> int:
@@ -45,34 +41,62 @@ class Session:
         return len(self.tokens) - self.shared
 
 
+class SeqIds:
+    """The context's sequence ids, drawn by the pool for sessions and by the cache for its holders."""
+
+    def __init__(self, n_seq_max: int) -> None:
+        self.n_seq_max = n_seq_max
+        self._free = list(range(n_seq_max - 1, -1, -1))  # pop() hands out 0 first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, free_one: Callable[[], None]) -> int:
+        """A free id; when none is left, `free_one` is asked to give one back first."""
+        if not self._free:
+            free_one()
+        if not self._free:
+            raise PoolExhausted("no free sequence id")
+        return self._free.pop()
+
+    def give_back(self, seq: int) -> None:
+        self._free.append(seq)
+
+
+class Lender(Protocol):
+    """What the pool asks of whoever else keeps cells and sequence ids of its context."""
+
+    @property
+    def held_cells(self) -> int:
+        """Cells only the lender keeps (a session that shares them does not count them)."""
+        ...
+
+    def evict(self, cells: int) -> int:
+        """Give back at least `cells` cells if it can; returns the cells it gave back."""
+        ...
+
+    def free_a_seq_id(self) -> None:
+        """Give back one sequence id, if it keeps one it may let go."""
+        ...
+
+    def unlock(self, session: Session) -> None:
+        """The session ends: what it borrowed may be evicted again."""
+        ...
+
+
 class KvPool:
-    """Hands out sequence ids and accounts for cells; the prefix cache borrows ids for its holders."""
+    """Hands out sessions (a sequence id each) and accounts for cells."""
 
-    def __init__(self, ctx: Context, page_rows: int) -> None:
-        if page_rows < 1:
-            raise ValueError("page_rows must be >= 1")
+    def __init__(self, ctx: Context, ids: SeqIds, lender: Lender) -> None:
         self.ctx = ctx
-        self.page_rows = page_rows
-        self.cache: PrefixCache | StateCache | None = None
-        self._free_ids = list(range(ctx.n_seq_max - 1, -1, -1))  # pop() hands out 0 first
+        self.ids = ids
+        self.lender = lender
         self._sessions: dict[int, Session] = {}
-
-    # -- sequence ids ---------------------------------------------------------------------------
 
     @property
     def free_ids(self) -> int:
-        return len(self._free_ids)
-
-    def take_id(self) -> int:
-        """A free sequence id; asks the cache to give back a holder when none is left."""
-        if not self._free_ids and self.cache is not None:
-            self.cache.free_a_holder()
-        if not self._free_ids:
-            raise PoolExhausted("no free sequence id")
-        return self._free_ids.pop()
-
-    def return_id(self, seq: int) -> None:
-        self._free_ids.append(seq)
+        return self.ids.free
 
     # -- cells ------------------------------------------------------------------------------------
 
@@ -82,24 +106,23 @@ class KvPool:
 
     @property
     def used_cells(self) -> int:
-        held = self.cache.held_cells if self.cache is not None else 0
-        return held + sum(s.private_cells for s in self._sessions.values())
+        return self.lender.held_cells + sum(s.private_cells for s in self._sessions.values())
 
     @property
     def free_cells(self) -> int:
         return self.n_cells - self.used_cells
 
     def make_room(self, cells: int) -> bool:
-        """Have at least `cells` free, evicting unlocked cache pages if needed."""
+        """Have at least `cells` free, asking the lender to evict if needed."""
         short = cells - self.free_cells
-        if short > 0 and self.cache is not None:
-            self.cache.evict_pages(-(-short // self.page_rows))
+        if short > 0:
+            self.lender.evict(short)
         return self.free_cells >= cells
 
     # -- sessions ---------------------------------------------------------------------------------
 
     def new_session(self) -> Session:
-        session = Session(seq=self.take_id())
+        session = Session(seq=self.ids.take(self.lender.free_a_seq_id))
         self._sessions[session.seq] = session
         return session
 
@@ -113,13 +136,12 @@ class KvPool:
         child.tokens = list(parent.tokens)
         child.shared = len(parent.tokens)
 
-    def release_kv_pages(self, session: Session) -> None:
-        """Forget the session: its own cells are freed, borrowed cache pages unlocked, its id returned."""
+    def end_session(self, session: Session) -> None:
+        """Forget the session: its own cells are freed, what it borrowed unlocked, its id returned."""
         self.ctx.seq_rm(session.seq)
-        if self.cache is not None:
-            self.cache.unlock(session)
+        self.lender.unlock(session)
         del self._sessions[session.seq]
-        self.return_id(session.seq)
+        self.ids.give_back(session.seq)
 
     def eval(self, session: Session, tokens: list[int]) -> np.ndarray:
         """Decode `tokens` after the session's history, alone; returns a copy of the last logits."""
@@ -141,14 +163,7 @@ class KvPool:
             batch.close()
 
     def close(self) -> None:
-        """Free the context. A cache that still borrows pages must be released first."""
-        if self.cache is not None and (self.cache.held_pages or self.cache.chain_list()):
-            raise RuntimeError("the prefix cache still holds pages of this pool: call release(pool) first")
+        """Free the context. A lender that still keeps cells in it must be released first."""
+        if self.lender.held_cells:
+            raise RuntimeError("the prefix cache still holds cells of this pool: release the cache first")
         self.ctx.close()
-
-
-def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx: int = 4096, n_seq_max: int = 64,
-                   n_batch: int = 512, n_threads: int = 2) -> KvPool:
-    """A pool over a fresh unified-KV context of `model`."""
-    params = ContextParams(n_ctx=n_ctx, n_batch=max(n_batch, n_seq_max), n_seq_max=n_seq_max, n_threads=n_threads)
-    return KvPool(Context(model, params), page_rows)

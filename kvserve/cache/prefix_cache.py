@@ -1,229 +1,82 @@
-"""The prefix cache: finished sessions donate whole pages, new sessions attach them without recompute.
+"""The one interface the pool, the scheduler and the routes use for a prefix cache, whatever it
+keeps: whole KV pages (`PageCache`), checkpoints of a recurrent state (`StateCache`) or nothing
+(`NoCache`).
 
-Attaching is `llama_memory_seq_cp` in a unified KV cache: the session's id joins the cells' seq
-sets, so nothing is copied. Matches are page-granular and stop one token short of the prompt,
-because the model needs at least one evaluated token to produce the next logits.
+Invariants every cache keeps:
+- `match_len` touches nothing (no hit count, no recency): it is what `attach` would attach now;
+- what `attach` and `insert` share with a session stays locked (never evicted) until
+  `unlock(session)`; the locks are the cache's own, keyed by session;
+- `held_cells` are the cells only the cache keeps, under sequence ids it drew for its holders;
+  `release` gives back every one of them, cells and ids.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
-from typing import Callable
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
-from kvserve.cache.kv_pool import KvPool, PoolExhausted, Session
-from kvserve.cache.page_tree import Holder, PageNode, PageTree, tick
-
-
-@dataclass(eq=False)
-class Chain:
-    """One donation: the path of pages it covered, as a dashboard sees it."""
-
-    id: int
-    path: list[PageNode]
-    preview: str
-    hits: int = 0
-
-    def snapshot(self, page_rows: int) -> dict:
-        return {
-            "id": self.id,
-            "tokens": len(self.path) * page_rows,
-            "pages_alive": sum(node.alive for node in self.path),
-            "hits": self.hits,
-            "preview": self.preview,
-        }
+from kvserve.cache.cache_stats import CacheStats
+from kvserve.cache.chat_marks import MarkKind
+from kvserve.cache.kv_pool import Session
 
 
-@dataclass
-class CacheStats:
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    evicted_pages: int = 0
-    inserted_pages: int = 0
-
-
-class PrefixCache:
-    """Pages of donated prefixes. Held cells are not free: without flash attention every decode in a
-    unified cache attends over all used cells, masked or not, so `max_cells` bounds what a cold cache
-    costs the running sequences; past it, least recently used pages go first."""
-
-    donates_prompt = True  # as soon as it is evaluated, so requests waiting on it attach it
-
-    def __init__(self, pool: KvPool, max_cells: int | None = None) -> None:
-        if pool.cache is not None:
-            raise ValueError("this pool already has a prefix cache")
-        if pool.ctx.model.info.carries_state:
-            raise ValueError("KV pages cannot restore a recurrent state; this model needs checkpoints")
-        self.pool = pool
-        self.page_rows = pool.page_rows
-        self.tree = PageTree(pool.page_rows)
-        self.chains: dict[int, Chain] = {}
-        self.stats = CacheStats()
-        self.max_cells = pool.n_cells if max_cells is None else max_cells
-        self._next_chain = 1
-        pool.cache = self
+class PrefixCache(ABC):
+    keeps: ClassVar[str]  # "pages", "checkpoints" or "none": the `kind` /server_info reports
+    # Insert a prompt as soon as it is evaluated, so requests waiting on the same prefix attach it.
+    donates_prompt: ClassVar[bool]
 
     @property
-    def held_pages(self) -> int:
-        return self.tree.n_nodes
-
-    @property
+    @abstractmethod
     def held_cells(self) -> int:
-        return self.tree.n_nodes * self.page_rows
+        """Cells only the cache keeps (a session that attached them does not count them)."""
 
-    # -- lookup -------------------------------------------------------------------------------------
-
-    def _cap(self, tokens: list[int]) -> int:
-        """At most this many pages may attach: one token of the prompt must stay to be evaluated."""
-        return max(len(tokens) - 1, 0) // self.page_rows
-
+    @abstractmethod
     def match_len(self, tokens: list[int]) -> int:
-        """Tokens `attach` would attach right now. Changes no hit count and no recency."""
-        return len(self.tree.match(tokens, self._cap(tokens))) * self.page_rows
+        """Leading tokens of `tokens` that `attach` would attach now. Touches nothing."""
 
+    @abstractmethod
     def attach(self, session: Session, tokens: list[int]) -> int:
-        """Share the longest cached run of whole pages of `tokens` with an empty session."""
-        if session.tokens:
-            raise ValueError("attach needs an empty session")
-        path = self.tree.match(tokens, self._cap(tokens))
-        self.stats.queried_tokens += len(tokens)
-        if not path:
-            return 0
-        self._copy_pages(path, session.seq)
-        self._lock(session, path)
-        n = len(path) * self.page_rows
-        session.tokens = list(tokens[:n])
-        session.shared = n
-        self.chains[path[-1].chain_id].hits += 1
-        self.stats.hit_tokens += n
-        return n
+        """Attach the longest cached prefix of `tokens` to an empty session, leaving at least one
+        token to evaluate; returns its length."""
 
-    # -- donation -----------------------------------------------------------------------------------
+    def checkpoint_at(self, session: Session, tokens: list[int], matched: int, mark: int) -> int:
+        """Where to stop the prefill of `tokens` for `mark` so that `insert` can record it there,
+        or 0 when a stop buys nothing (always, for a cache whose pages are already what it keeps)."""
+        return 0
 
-    def insert(self, session: Session, tokens: list[int], preview: str = "") -> Chain | None:
-        """Donate every full page of `tokens`, the session's evaluated history (or a prefix of it).
+    @abstractmethod
+    def gains_from_waiting(self, shared: int, cached: int) -> bool:
+        """Whether a prompt that shares `shared` leading tokens with one being prefilled, and finds
+        `cached` in the cache now, gains by waiting for that prefill to land here."""
 
-        Pages already cached are not stored twice; where the session computed them itself, it
-        switches to the cached cells. The donated pages stay locked while the session lives.
-        """
-        if session.tokens[: len(tokens)] != list(tokens):
-            raise ValueError("insert takes tokens the session has evaluated, in order")
-        if session.shared % self.page_rows:
-            raise ValueError("a forked session cannot donate: its prefix belongs to its sibling")
-        n_pages = len(tokens) // self.page_rows
-        path = self.tree.match(tokens, n_pages)
-        self._lock(session, path)  # keep them while take_id may evict
-        chain: Chain | None = None
-        n_cached = len(path)
-        if n_cached < n_pages:
-            chain = self._new_chain(preview)
-            path += self._add_pages(session, tokens, path, n_pages, chain)
-            chain.path = path
-        self._share_duplicates(session, path, n_cached)
-        excess = self.held_cells - self.max_cells
-        if excess > 0:
-            self.evict_pages(-(-excess // self.page_rows))
-        return chain if chain is None or chain.id in self.chains else None
+    @abstractmethod
+    def insert(self, session: Session, tokens: list[int], preview: str = "",
+               kind: MarkKind = MarkKind.CONVERSATION) -> object | None:
+        """Keep what the session evaluated of `tokens` (a prefix of its history), locked while it
+        lives; `kind` says who can reuse it. Returns what was kept (a chain of pages, a checkpoint),
+        or None when nothing new was."""
 
-    def _new_chain(self, preview: str) -> Chain:
-        chain = Chain(id=self._next_chain, path=[], preview=preview[:80])
-        self._next_chain += 1
-        self.chains[chain.id] = chain
-        return chain
+    @abstractmethod
+    def evict(self, cells: int) -> int:
+        """Give back at least `cells` cells from unlocked entries, least valuable first, if there are
+        enough; returns the cells given back."""
 
-    def _add_pages(
-        self, session: Session, tokens: list[int], path: list[PageNode], n_pages: int, chain: Chain
-    ) -> list[PageNode]:
-        holder = Holder(seq=self.pool.take_id())
-        start = len(path) * self.page_rows
-        self.pool.ctx.seq_cp(session.seq, holder.seq, start, n_pages * self.page_rows)
-        parent = path[-1] if path else self.tree.root
-        added = []
-        for key in list(self.tree.pages_of(tokens, n_pages))[len(path) :]:
-            parent = self.tree.add_child(parent, key, holder, chain.id)
-            added.append(parent)
-        self._lock(session, added)
-        self.stats.inserted_pages += len(added)
-        return added
+    @abstractmethod
+    def free_a_seq_id(self) -> None:
+        """Give back one holder's sequence id, if an unlocked one exists."""
 
-    def _share_duplicates(self, session: Session, path: list[PageNode], n_cached: int) -> None:
-        """Swap the session's own copies of already-cached pages for the cached cells, so none is held twice."""
-        duplicates = path[session.shared // self.page_rows : n_cached]
-        if duplicates:
-            p0 = duplicates[0].depth * self.page_rows
-            p1 = (duplicates[-1].depth + 1) * self.page_rows
-            self.pool.ctx.seq_rm(session.seq, p0, p1)
-            self._copy_pages(duplicates, session.seq)
-        session.shared = max(session.shared, len(path) * self.page_rows)
-
-    # -- locks ----------------------------------------------------------------------------------------
-
-    def _lock(self, session: Session, nodes: list[PageNode]) -> None:
-        now = tick()
-        for node in nodes:
-            node.lock_ref += 1
-            node.last_access = now
-        session.attached.extend(nodes)
-
+    @abstractmethod
     def unlock(self, session: Session) -> None:
-        for node in session.attached:
-            node.lock_ref -= 1
-        session.attached.clear()
+        """The session ends: what it attached or inserted may be evicted again."""
 
-    # -- eviction -------------------------------------------------------------------------------------
-
-    def evict_pages(self, n_pages: int) -> int:
-        """Give back up to `n_pages` unlocked pages, least recently used leaves first."""
-        return self._evict_lru(lambda evicted: evicted >= n_pages)
-
-    def free_a_holder(self) -> None:
-        """Evict pages, LRU tail first, until one holder's sequence id is free again."""
-        ids_before = self.pool.free_ids
-        self._evict_lru(lambda _: self.pool.free_ids > ids_before)
-
-    def _evict_lru(self, done: Callable[[int], bool]) -> int:
-        heap = self.tree.evictable_leaves()
-        evicted = 0
-        while heap and not done(evicted):
-            _, _, node = heapq.heappop(heap)
-            parent = self._evict(node)
-            evicted += 1
-            if parent is not None and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        return evicted
-
-    def _evict(self, node: PageNode) -> PageNode | None:
-        holder = node.holder
-        p0 = node.depth * self.page_rows
-        self.pool.ctx.seq_rm(holder.seq, p0, p0 + self.page_rows)
-        self.tree.remove_leaf(node)
-        self.stats.evicted_pages += 1
-        parent = node.parent
-        if parent is self.tree.root or parent.chain_id != node.chain_id:
-            del self.chains[node.chain_id]  # tail-first: that was the chain's last page of its own
-        if holder.n_nodes == 0:
-            self.pool.ctx.seq_rm(holder.seq)
-            self.pool.return_id(holder.seq)
-        return parent if parent is not self.tree.root else None
-
+    @abstractmethod
     def release(self) -> None:
-        """Hand every cached page back to the pool and detach from it."""
-        if any(s.attached for s in self.pool.sessions):
-            raise RuntimeError("sessions still read cached pages: release them first")
-        self.evict_pages(self.held_pages)
-        self.pool.cache = None
+        """Give back every cell and sequence id the cache keeps; no session may still hold a lock."""
 
-    # -- copying ------------------------------------------------------------------------------------
+    @abstractmethod
+    def stats(self) -> CacheStats:
+        """Counters and how much it holds now."""
 
-    def _copy_pages(self, nodes: list[PageNode], dst: int) -> None:
-        """seq_cp each run of consecutive pages that one holder owns, in one call."""
-        run_start = 0
-        for i in range(1, len(nodes) + 1):
-            if i == len(nodes) or nodes[i].holder is not nodes[run_start].holder:
-                p0 = nodes[run_start].depth * self.page_rows
-                p1 = (nodes[i - 1].depth + 1) * self.page_rows
-                self.pool.ctx.seq_cp(nodes[run_start].holder.seq, dst, p0, p1)
-                run_start = i
-
-    def chain_list(self) -> list[dict]:
-        return [chain.snapshot(self.page_rows) for chain in self.chains.values()]
+    @abstractmethod
+    def view(self) -> dict:
+        """What /v1/cache shows of it: whether it is on, what it holds, one entry per chain or checkpoint."""

@@ -10,24 +10,29 @@ Invariants:
   before a state is saved; the number of checkpoints never exceeds `max_states`;
 - eviction takes conversation checkpoints before opening ones, least recently used first, and
   never one a live session was restored from;
-- `own_cells` counts the attention cells only this checkpoint's holder keeps: the rest belong to
-  its `base` (the checkpoint its session was restored from), so the sum is the cells held.
+- a holder keeps positions [0, position) of its checkpoint; `own_cells` counts those no other
+  holder shares: the rest belong to its `base` (the checkpoint its session was restored from),
+  whose cells outlive its eviction under this holder. So `held_cells`, the sum over the
+  checkpoints kept and their bases, is the cells the holders keep.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.cache.kv_pool import KvPool, Session
+from kvserve.cache.cache_stats import CacheStats
+from kvserve.cache.chat_marks import MarkKind
+from kvserve.cache.kv_pool import SeqIds, Session
 from kvserve.cache.page_tree import tick
-from kvserve.cache.prefix_cache import CacheStats
+from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.llama.context import Context
 
 
 @dataclass(eq=False)
 class Checkpoint:
     tokens: list[int]
     blob: bytes
-    opening: bool  # shared by every conversation on its system prompt; evicted last
+    kind: MarkKind
     preview: str = ""  # a label for dashboards
     holder: int | None = None
     base: "Checkpoint | None" = None
@@ -41,35 +46,35 @@ class Checkpoint:
         return len(self.tokens)
 
     def snapshot(self) -> dict:
-        return {"position": self.position, "kind": "opening" if self.opening else "conversation",
-                "bytes": len(self.blob), "hits": self.hits, "preview": self.preview}
+        return {"position": self.position, "kind": self.kind.value, "bytes": len(self.blob), "hits": self.hits,
+                "preview": self.preview}
 
 
-@dataclass
-class StateStats(CacheStats):
-    state_hits: int = 0
-    state_evictions: int = 0
-
-
-class StateCache:
+class StateCache(PrefixCache):
+    keeps = "checkpoints"
     donates_prompt = False  # the prompt's end is the `close` mark plus a generation prompt: not worth a state
 
-    def __init__(self, pool: KvPool, budget_bytes: int, max_states: int = 16, min_gap: int | None = None) -> None:
-        if pool.cache is not None:
-            raise ValueError("this pool already has a prefix cache")
-        if not pool.ctx.model.info.carries_state:
+    def __init__(self, ctx: Context, ids: SeqIds, page_rows: int, budget_bytes: int, max_states: int = 16,
+                 min_gap: int | None = None) -> None:
+        if not ctx.model.info.carries_state:
             raise ValueError("attention-only models need no checkpoints: use the page cache")
-        self.pool = pool
+        self.ctx = ctx
+        self.ids = ids
+        self.page_rows = page_rows
         self.budget_bytes = budget_bytes
         self.max_states = max_states
-        self.min_gap = pool.page_rows if min_gap is None else min_gap
-        self.hybrid = pool.ctx.model.info.is_hybrid
+        self.min_gap = page_rows if min_gap is None else min_gap
+        self.hybrid = ctx.model.info.is_hybrid
         self.checkpoints: list[Checkpoint] = []
-        self.stats = StateStats()
+        self._locks: dict[Session, list[Checkpoint]] = {}
         self._state_size = 0  # of the last state saved: the estimate `checkpoint_at` decides by
-        pool.cache = self
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+        self._restores = 0
+        self._evictions = 0
+        self._evicted_cells = 0
 
-    # -- what the pool and the scheduler read ------------------------------------------------------
+    # -- what the pool reads ----------------------------------------------------------------------
 
     @property
     def bytes_used(self) -> int:
@@ -77,14 +82,17 @@ class StateCache:
 
     @property
     def held_cells(self) -> int:
-        return sum(c.own_cells for c in self.checkpoints)
+        return sum(c.own_cells for c in self._keeping_cells())
 
-    @property
-    def held_pages(self) -> int:
-        return -(-self.held_cells // self.pool.page_rows)
-
-    def chain_list(self) -> list[dict]:
-        return [c.snapshot() for c in self.checkpoints]
+    def _keeping_cells(self) -> set[Checkpoint]:
+        """The checkpoints kept and, transitively, their bases: an evicted base's cells live on
+        under the holders of the checkpoints taken after it."""
+        keeping: set[Checkpoint] = set()
+        for checkpoint in self.checkpoints:
+            while checkpoint is not None and checkpoint not in keeping:
+                keeping.add(checkpoint)
+                checkpoint = checkpoint.base
+        return keeping
 
     # -- lookup -------------------------------------------------------------------------------------
 
@@ -98,7 +106,6 @@ class StateCache:
         return best
 
     def match_len(self, tokens: list[int]) -> int:
-        """Tokens `attach` would restore now. Touches nothing."""
         found = self._match(tokens)
         return found.position if found else 0
 
@@ -106,26 +113,27 @@ class StateCache:
         """Restore the deepest checkpoint into an empty session: its cells shared, its state loaded."""
         if session.tokens:
             raise ValueError("attach needs an empty session")
-        self.stats.queried_tokens += len(tokens)
+        self._queried_tokens += len(tokens)
         found = self._match(tokens)
         if found is None:
             return 0
-        ctx = self.pool.ctx
         if found.holder is not None:
-            ctx.seq_cp(found.holder, session.seq, 0, found.position)
-        ctx.load_state(session.seq, found.blob)
+            self.ctx.seq_cp(found.holder, session.seq, 0, found.position)
+        self.ctx.load_state(session.seq, found.blob)
         session.tokens = list(found.tokens)
         session.shared = found.position if found.holder is not None else 0
         self._lock(session, found)
         found.hits += 1
-        self.stats.state_hits += 1
-        self.stats.hit_tokens += found.position
+        self._restores += 1
+        self._hit_tokens += found.position
         return found.position
+
+    def gains_from_waiting(self, shared: int, cached: int) -> bool:
+        return shared >= cached + 2 * self.page_rows  # the running prefill may checkpoint a mark in between
 
     # -- taking checkpoints -------------------------------------------------------------------------
 
     def checkpoint_at(self, session: Session, tokens: list[int], matched: int, mark: int) -> int:
-        """Where to stop the prefill for `mark`, or 0 when a stop there buys nothing."""
         if not matched + self.min_gap <= mark < len(tokens):
             return 0  # too close to what is already restored, or no token left to evaluate
         if any(c.tokens == tokens[:mark] for c in self.checkpoints):
@@ -134,29 +142,31 @@ class StateCache:
             return 0  # the last state saved would not fit even in an empty budget
         return mark
 
-    def insert(self, session: Session, tokens: list[int] | None = None, preview: str = "",
-               opening: bool = False) -> Checkpoint | None:
-        """Record a checkpoint where the session stands (call it between two evals)."""
-        if tokens is not None and list(tokens) != session.tokens:
+    def insert(self, session: Session, tokens: list[int], preview: str = "",
+               kind: MarkKind = MarkKind.CONVERSATION) -> Checkpoint | None:
+        """Record a checkpoint where the session stands (call it between two evals): `tokens` must be
+        its whole history. An opening one is evicted after every conversation one."""
+        if list(tokens) != session.tokens:
             raise ValueError("a checkpoint is taken where the session stands: tokens must be its history")
         for c in self.checkpoints:
             if c.tokens == session.tokens:
                 c.last_access = tick()
-                c.opening = c.opening or opening
+                if kind is MarkKind.OPENING:
+                    c.kind = kind
                 return c
-        if not self._make_room(self.pool.ctx.state_size(session.seq)):
+        if not self._make_room(self.ctx.state_size(session.seq)):
             return None
-        return self._save(session, opening, preview)
+        return self._save(session, kind, preview)
 
-    def _save(self, session: Session, opening: bool, preview: str) -> Checkpoint:
-        ctx = self.pool.ctx
-        base = next((c for c in reversed(session.attached) if isinstance(c, Checkpoint)), None)
-        checkpoint = Checkpoint(tokens=list(session.tokens), blob=ctx.save_state(session.seq), opening=opening,
+    def _save(self, session: Session, kind: MarkKind, preview: str) -> Checkpoint:
+        locked = self._locks.get(session)
+        base = locked[-1] if locked else None  # the deepest it restored or saved: its cells are shared
+        checkpoint = Checkpoint(tokens=list(session.tokens), blob=self.ctx.save_state(session.seq), kind=kind,
                                 preview=preview[:80])
         self._state_size = len(checkpoint.blob)
         if self.hybrid:
-            checkpoint.holder = self.pool.take_id()
-            ctx.seq_cp(session.seq, checkpoint.holder, 0, session.n_past)
+            checkpoint.holder = self.ids.take(self.free_a_seq_id)
+            self.ctx.seq_cp(session.seq, checkpoint.holder, 0, session.n_past)
             checkpoint.base = base
             checkpoint.own_cells = session.n_past - (base.position if base else 0)
             session.shared = session.n_past  # its cells are the checkpoint's from here on
@@ -169,17 +179,16 @@ class StateCache:
     def _lock(self, session: Session, checkpoint: Checkpoint) -> None:
         checkpoint.lock_ref += 1
         checkpoint.last_access = tick()
-        session.attached.append(checkpoint)
+        self._locks.setdefault(session, []).append(checkpoint)
 
     def unlock(self, session: Session) -> None:
-        for checkpoint in session.attached:
+        for checkpoint in self._locks.pop(session, []):
             checkpoint.lock_ref -= 1
-        session.attached.clear()
 
     def _victims(self) -> list[Checkpoint]:
         """Unlocked checkpoints in eviction order: conversation before opening, then oldest first."""
         free = [c for c in self.checkpoints if c.lock_ref == 0]
-        return sorted(free, key=lambda c: (c.opening, c.last_access))
+        return sorted(free, key=lambda c: (c.kind is MarkKind.OPENING, c.last_access))
 
     def _make_room(self, size: int) -> bool:
         if size > self.budget_bytes:
@@ -192,37 +201,52 @@ class StateCache:
             self._evict(victim)
         return True
 
-    def evict_pages(self, n_pages: int) -> int:
-        """Give back at least `n_pages` pages' worth of attention cells, if unlocked checkpoints hold them."""
-        wanted = n_pages * self.pool.page_rows
-        freed = 0
+    def evict(self, cells: int) -> int:
+        """Evict checkpoints that keep attention cells, in eviction order, until `cells` are freed.
+        A base of a checkpoint kept is passed over: its cells would stay, under that one's holder."""
+        before = self.held_cells
         for victim in self._victims():
-            if freed >= wanted:
+            if before - self.held_cells >= cells:
                 break
-            if victim.own_cells:
-                freed += victim.own_cells
+            if victim.own_cells and not any(c.base is victim for c in self.checkpoints):
                 self._evict(victim)
-        return -(-freed // self.pool.page_rows)
+        return before - self.held_cells
 
-    def free_a_holder(self) -> None:
+    def free_a_seq_id(self) -> None:
         victim = next((c for c in self._victims() if c.holder is not None), None)
         if victim is not None:
             self._evict(victim)
 
     def _evict(self, victim: Checkpoint) -> None:
+        held = self.held_cells
         self.checkpoints.remove(victim)
-        for c in self.checkpoints:
-            if c.base is victim:  # the victim's own cells stay alive under this holder's bits
-                c.base = victim.base
-                c.own_cells += victim.own_cells
         if victim.holder is not None:
-            self.pool.ctx.seq_rm(victim.holder)
-            self.pool.return_id(victim.holder)
-        self.stats.state_evictions += 1
+            self.ctx.seq_rm(victim.holder)
+            self.ids.give_back(victim.holder)
+        victim.blob = b""  # a base outlives its eviction only as the account of its cells
+        self._evictions += 1
+        self._evicted_cells += held - self.held_cells
 
     def release(self) -> None:
         if any(c.lock_ref for c in self.checkpoints):
-            raise RuntimeError("sessions still use checkpoints: release them first")
+            raise RuntimeError("sessions still use checkpoints: end them first")
         for victim in list(self.checkpoints):
             self._evict(victim)
-        self.pool.cache = None
+
+    # -- what metrics and dashboards read -------------------------------------------------------------
+
+    def _pages(self, cells: int) -> int:
+        return -(-cells // self.page_rows)
+
+    def stats(self) -> CacheStats:
+        openings = sum(c.kind is MarkKind.OPENING for c in self.checkpoints)
+        return CacheStats(
+            queried_tokens=self._queried_tokens, hit_tokens=self._hit_tokens,
+            evicted_pages=self._pages(self._evicted_cells), state_hits=self._restores,
+            state_evictions=self._evictions, held_pages=self._pages(self.held_cells), state_bytes=self.bytes_used,
+            opening_checkpoints=openings, conversation_checkpoints=len(self.checkpoints) - openings,
+        )
+
+    def view(self) -> dict:
+        return {"enabled": True, "held_pages": self._pages(self.held_cells), "state_bytes": self.bytes_used,
+                "state_budget_bytes": self.budget_bytes, "checkpoints": [c.snapshot() for c in self.checkpoints]}

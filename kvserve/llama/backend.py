@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
+from typing import Callable, Iterator
 
 import llama_cpp
 
@@ -12,15 +14,38 @@ _log = logging.getLogger("kvserve.llama")
 _lock = threading.Lock()
 _ready = False
 
-# ggml's levels: 1 info, 2 warn, 3 error, 4 debug, 5 continuation. The model loader dumps its
-# metadata at "warn", so llama.cpp's warnings go to DEBUG and only its errors stand out.
-_FORWARDED_LEVELS = {2: logging.DEBUG, 3: logging.ERROR}
+# enum ggml_log_level (ggml.h): 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous
+# message at its level. How much of it a log shows is the logging configuration's choice.
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_CONTINUATION = 5
+_last_level = logging.DEBUG
+
+
+_listeners: list[Callable[[str], None]] = []
 
 
 @llama_cpp.llama_log_callback
 def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    if level in _FORWARDED_LEVELS and text.strip():
-        _log.log(_FORWARDED_LEVELS[level], text.decode("utf-8", errors="replace").rstrip())
+    global _last_level
+    if level != _CONTINUATION:
+        _last_level = _LEVELS.get(level, logging.DEBUG)
+    line = text.decode("utf-8", errors="replace").rstrip()
+    for listener in _listeners:
+        listener(line)
+    if line and _log.isEnabledFor(_last_level):
+        _log.log(_last_level, line)
+
+
+@contextlib.contextmanager
+def log_lines() -> Iterator[list[str]]:
+    """Every line llama.cpp logs during the block, at any level: some choices it makes (flash
+    attention under `auto`) are reported only there."""
+    lines: list[str] = []
+    _listeners.append(lines.append)
+    try:
+        yield lines
+    finally:
+        _listeners.remove(lines.append)
 
 
 def ensure_backend() -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Literal
 
 import llama_cpp
 import numpy as np
 
+from kvserve.llama.backend import log_lines
 from kvserve.llama.batch import Batch
 from kvserve.llama.model import Model
 
@@ -27,6 +29,11 @@ class NoKvSlot(DecodeError):
     """llama_decode found no room for the batch (code 1): free cells and retry."""
 
 
+FlashAttn = Literal["on", "off", "auto"]
+_FLASH_ATTN_TYPES = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                     "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}
+
+
 @dataclass(frozen=True)
 class ContextParams:
     n_ctx: int
@@ -34,6 +41,7 @@ class ContextParams:
     n_seq_max: int
     n_threads: int
     n_ubatch: int = 512
+    flash_attn: FlashAttn = "auto"
 
 
 class Context:
@@ -52,16 +60,21 @@ class Context:
         cparams.n_threads = params.n_threads
         cparams.n_threads_batch = params.n_threads
         cparams.kv_unified = True  # shared cells are what makes zero-copy prefix attach possible
-        # The CPU flash-attention kernels pick a path by batch shape (tiled for many queries, split-KV
-        # for one query over many cells) and round differently on each, so a request's output
-        # would depend on what it was batched with. Plain attention does not.
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # In a unified cache every token's attention spans all used cells, masked per sequence. The
+        # CPU flash-attention kernel skips masked cells (and whole masked tiles); plain attention
+        # computes them all, so flash attention is what makes one shared cache cheap. Its price: it
+        # rounds differently by batch shape (tiled for many queries, one-query path for decodes).
+        cparams.flash_attn_type = _FLASH_ATTN_TYPES[params.flash_attn]
         cparams.no_perf = True
         self.model = model
         self.params = params
-        self._ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
+        with log_lines() as said:
+            self._ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
         if not self._ptr:
             raise RuntimeError("llama.cpp could not create a context")
+        # Under `auto` llama.cpp decides by device and says so only in its log.
+        self.flash_attn = params.flash_attn == "on" or (
+            params.flash_attn == "auto" and any("Flash Attention enabled" in line for line in said))
         self._mem = llama_cpp.llama_get_memory(self._ptr)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
         self.n_batch = llama_cpp.llama_n_batch(self._ptr)
@@ -110,9 +123,6 @@ class Context:
 
     def seq_pos_min(self, seq: int) -> int:
         return llama_cpp.llama_memory_seq_pos_min(self._mem, seq)
-
-    def clear(self) -> None:
-        llama_cpp.llama_memory_clear(self._mem, True)
 
     # -- state: the recurrent part of a sequence --------------------------------------------------
 

@@ -102,16 +102,6 @@ class Model:
         """The vocabulary entry itself (special tokens spelled out), for logprobs."""
         return self.piece(token, special=True).decode("utf-8", errors="replace")
 
-    def metadata(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            llama_cpp.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace")
-
     def chat_template(self) -> str | None:
         raw = llama_cpp.llama_model_chat_template(self._ptr, None)
         return raw.decode("utf-8") if raw else None

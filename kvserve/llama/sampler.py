@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import threading
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -43,13 +44,45 @@ class GrammarError(ValueError):
 _PENALTY_WINDOW = 64
 
 
+class _LiveCount:
+    """How many chains are allocated and not yet freed, across threads (the request path builds one
+    to check a grammar; the engine thread builds the rest)."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def add(self, delta: int) -> None:
+        with self._lock:
+            self._n += delta
+
+    @property
+    def value(self) -> int:
+        return self._n
+
+
+_live = _LiveCount()
+
+
+def live_samplers() -> int:
+    """Sampler chains allocated in llama.cpp and not yet freed: zero whenever no request is open."""
+    return _live.value
+
+
 class Sampler:
-    """One stateful llama.cpp sampler chain (penalties and grammar remember the tokens they saw)."""
+    """One stateful llama.cpp sampler chain (penalties and grammar remember the tokens they saw).
+
+    It owns native memory (about `n_vocab` x 12 bytes of candidates, more with grammar and penalty
+    stages) that only `close` frees; there is deliberately no `__del__`, so a path that forgets to
+    close shows up in `live_samplers()` instead of being hidden by the garbage collector. Whoever
+    constructs one closes it exactly once; `close` is idempotent so a second call is harmless.
+    """
 
     def __init__(self, model: Model, params: SamplingParams) -> None:
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
+        _live.add(1)
         try:
             for stage in _stages(model, params):
                 llama_cpp.llama_sampler_chain_add(self._chain, stage)
@@ -61,10 +94,16 @@ class Sampler:
         """Pick the next token from the logits of batch entry `index` and remember it."""
         return llama_cpp.llama_sampler_sample(self._chain, ctx.ptr, index)
 
+    @property
+    def closed(self) -> bool:
+        return self._chain is None
+
     def close(self) -> None:
-        if self._chain:
+        """Free the chain and every stage it took ownership of."""
+        if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+            _live.add(-1)
 
 
 def _stages(model: Model, p: SamplingParams) -> list[llama_cpp.llama_sampler_p]:

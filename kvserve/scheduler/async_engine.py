@@ -14,6 +14,7 @@ from typing import Callable, TypeVar
 
 from kvserve.scheduler.request import Request, RequestOutput
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.stall_watch import StallWatch
 
 T = TypeVar("T")
 
@@ -77,13 +78,15 @@ def _is_last(output: RequestOutput) -> bool:
 
 
 class AsyncEngine:
-    def __init__(self, scheduler: Scheduler, max_queue: int) -> None:
+    def __init__(self, scheduler: Scheduler, max_queue: int, stall_seconds: float) -> None:
         self.scheduler = scheduler
         self.max_queue = max_queue
+        self.stall_watch = StallWatch(scheduler, stall_seconds, self.call)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
 
     @property
     def running(self) -> bool:
@@ -93,16 +96,26 @@ class AsyncEngine:
     def in_flight(self) -> int:
         return len(self._streams)
 
+    def oldest_waiting_seconds(self) -> float:
+        """Age of the oldest request in flight not yet admitted (0: none). Read on the event loop, from
+        the requests' own arrival and admission times, so it keeps growing while a step is stuck."""
+        now = time.monotonic()
+        return max((now - s.request.arrival for s in self._streams.values() if s.request.admitted_at is None),
+                   default=0.0)
+
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvserve-engine-loop")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop(), name="kvserve-engine-loop")
+        self._watch_task = loop.create_task(self.stall_watch.run(), name="kvserve-stall-watch")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._watch_task, self._task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         self._executor.shutdown(wait=True)
 
     async def call(self, fn: Callable[[], T]) -> T:

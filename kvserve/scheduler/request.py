@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.cache.chat_marks import Mark, MarkKind
 from kvserve.cache.kv_pool import Session
 from kvserve.llama.detokenizer import Detokenizer
 from kvserve.llama.sampler import Sampler, SamplingParams, TokenLogprobs
@@ -28,10 +29,10 @@ class Request:
     params: SamplingParams
     max_tokens: int
     n: int = 1
-    stop: list[str] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
     logprobs: int | None = None  # how many alternatives per token; None: no logprobs at all
     ignore_eos: bool = False  # generate max_tokens regardless (benchmarks)
-    stops: list[tuple[int, bool]] = field(default_factory=list)  # chat marks: (position, is_opening)
+    marks: list[Mark] = field(default_factory=list)  # where a chat prompt's prefill may stop for a checkpoint
     special_text: bool = False  # the text spells out special tokens (a tool-call marker may be one)
     arrival: float = field(default_factory=time.monotonic)
 
@@ -39,7 +40,8 @@ class Request:
     cached_tokens: int = 0
     admitted_at: float | None = None
     passed_over: int = 0  # times cache-aware admission chose another request first
-    checkpoints: dict[int, bool] = field(default_factory=dict)  # stops worth a state: position -> opening
+    checkpoints: dict[int, MarkKind] = field(default_factory=dict)  # the marks worth a state, by position
+    blocked_on: str = "its turn in the queue"  # why admission last passed it over (for stall reports)
 
     @property
     def finished(self) -> bool:
@@ -52,13 +54,17 @@ class Choice:
 
     `tokens` is prompt + generated; `session.tokens` is what sits in the KV cache. The difference
     is what the next steps feed: a prompt tail while prefilling, the one sampled token while decoding.
+
+    The choice owns its `sampler` (a native llama.cpp chain) from creation until `end`, which every
+    way a choice can stop goes through; a preempted choice keeps it, so penalties and grammar state
+    carry over when it resumes.
     """
 
     index: int
     tokens: list[int]
     sampler: Sampler
     detokenizer: Detokenizer
-    stop: StopMatcher
+    stop_matcher: StopMatcher
     session: Session | None = None
     waits_for_fork: bool = False  # a sibling of choice 0 that will share its prompt
     forked: bool = False  # it shares choice 0's prompt cells, so it never donates them
@@ -68,6 +74,11 @@ class Choice:
     @property
     def unevaluated(self) -> int:
         return len(self.tokens) - (self.session.n_past if self.session else 0)
+
+    def end(self, reason: FinishReason | None) -> None:
+        """Mark the choice finished and free its sampler chain (it samples nothing more)."""
+        self.finish_reason = reason
+        self.sampler.close()
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """A read-only picture of the engine, published by the engine thread after each step so that other
-threads (metrics, /v1/cache) never read structures while the engine mutates them."""
+threads (the metrics scrape) never read structures while the engine mutates them. /v1/cache, which
+needs more, runs its reads on the engine thread instead."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvserve.cache.cache_stats import CacheStats
 
 
 @dataclass(frozen=True)
@@ -12,17 +15,10 @@ class EngineSnapshot:
     waiting: int = 0
     kv_cells: int = 0
     kv_used: int = 0
-    held_pages: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    evicted_pages: int = 0
     free_seq_ids: int = 0
-    state_bytes: int = 0
-    opening_checkpoints: int = 0
-    conversation_checkpoints: int = 0
-    state_hits: int = 0
-    state_evictions: int = 0
+    cache: CacheStats = field(default_factory=CacheStats)
     preemptions: int = 0
+    live_samplers: int = 0  # native sampler chains not yet freed: 0 whenever no request is open
 
     @property
     def kv_usage(self) -> float:

@@ -123,7 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
         settings.response_store_count, int(settings.response_store_mb * 1024 * 1024), settings.response_store_ttl
     )
     app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times,
-                                settings)
+                                lambda: app.state.engine.async_engine, settings)
     install_error_handlers(app)
     _document_400s_not_422s(app)
     app.include_router(public)
@@ -132,7 +132,7 @@ def create_app(settings: Settings) -> FastAPI:
     guarded = dict(dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
     app.include_router(cache_routes.router, **guarded)
     app.include_router(worker_routes.router, **guarded)
-    # Outermost first: the request id is set before anything can log or answer.
+    # The last added runs outermost: RequestId wraps BodyLimit, so the id is set before anything logs or answers.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     app.add_middleware(RequestId)
     return app

@@ -50,5 +50,9 @@ def log_config(log_format: str) -> dict[str, Any]:
         "formatters": {"default": formatter},
         "handlers": {"default": handler},
         "root": {"handlers": ["default"], "level": "INFO"},
-        "loggers": {name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+        "loggers": {
+            **{name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+            # llama.cpp's INFO is its loading report, some 200 lines per model: warnings and errors only
+            "kvserve.llama": {"level": "WARNING"},
+        },
     }

@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvserve.config import Settings
-from kvserve.scheduler.request import RequestOutput
+from kvserve.scheduler.async_engine import AsyncEngine
+from kvserve.scheduler.request import FinishReason, RequestOutput
 from kvserve.scheduler.scheduler import StepTimes
 from kvserve.scheduler.snapshot import EngineSnapshot
 
@@ -20,38 +21,54 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes],
+                 queue: Callable[[], AsyncEngine]) -> None:
         self._snapshot = snapshot
         self._times = times
+        self._queue = queue
 
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
         t = self._times()
         yield GaugeMetricFamily("kvserve_requests_running", "Requests with sequences in the KV cache", s.running)
         yield GaugeMetricFamily("kvserve_requests_waiting", "Requests waiting for admission", s.waiting)
+        queue = self._queue()
+        yield GaugeMetricFamily(
+            "kvserve_oldest_waiting_seconds", "Age of the oldest request not yet admitted (0: none waits)",
+            queue.oldest_waiting_seconds(),
+        )
+        yield CounterMetricFamily(
+            "kvserve_engine_stalls", "Times the engine had work and made no progress for --stall-seconds",
+            queue.stall_watch.stalls,
+        )
+        yield GaugeMetricFamily(
+            "kvserve_live_sampler_chains", "llama.cpp sampler chains allocated and not yet freed", s.live_samplers
+        )
         yield GaugeMetricFamily(
             "kvserve_kv_cache_usage_ratio", "Share of KV cells in use (shared pages count once)", s.kv_usage
         )
-        yield GaugeMetricFamily("kvserve_prefix_cache_held_pages", "Pages the prefix cache keeps", s.held_pages)
+        yield GaugeMetricFamily("kvserve_prefix_cache_held_pages", "Pages the prefix cache keeps", s.cache.held_pages)
         yield CounterMetricFamily(
-            "kvserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", s.queried_tokens
+            "kvserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", s.cache.queried_tokens
         )
         yield CounterMetricFamily(
-            "kvserve_prefix_cache_hit_tokens", "Prompt tokens attached from the prefix cache", s.hit_tokens
+            "kvserve_prefix_cache_hit_tokens", "Prompt tokens attached from the prefix cache", s.cache.hit_tokens
         )
         yield CounterMetricFamily(
-            "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.evicted_pages
+            "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.cache.evicted_pages
         )
-        yield GaugeMetricFamily("kvserve_prefix_state_bytes", "Bytes of recurrent checkpoint states", s.state_bytes)
+        yield GaugeMetricFamily(
+            "kvserve_prefix_state_bytes", "Bytes of recurrent checkpoint states", s.cache.state_bytes
+        )
         checkpoints = GaugeMetricFamily(
             "kvserve_prefix_state_checkpoints", "Recurrent checkpoints kept, by kind", labels=["kind"]
         )
-        checkpoints.add_metric(["opening"], s.opening_checkpoints)
-        checkpoints.add_metric(["conversation"], s.conversation_checkpoints)
+        checkpoints.add_metric(["opening"], s.cache.opening_checkpoints)
+        checkpoints.add_metric(["conversation"], s.cache.conversation_checkpoints)
         yield checkpoints
-        yield CounterMetricFamily("kvserve_prefix_state_hits", "Prompts restored from a checkpoint", s.state_hits)
+        yield CounterMetricFamily("kvserve_prefix_state_hits", "Prompts restored from a checkpoint", s.cache.state_hits)
         yield CounterMetricFamily(
-            "kvserve_prefix_state_evictions", "Checkpoints evicted to keep the budget", s.state_evictions
+            "kvserve_prefix_state_evictions", "Checkpoints evicted to keep the budget", s.cache.state_evictions
         )
         yield CounterMetricFamily(
             "kvserve_preemptions", "Running requests sent back to the queue for lack of KV cells", s.preemptions
@@ -79,8 +96,9 @@ class _VllmCollector(Collector):
             (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting for admission", s.waiting),
             (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", s.kv_usage),
             (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens queried in the prefix cache",
-             s.queried_tokens),
-            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.hit_tokens),
+             s.cache.queried_tokens),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             s.cache.hit_tokens),
         ):
             family = kind(name, doc, labels=["model_name"])
             family.add_metric(self._labels, value)
@@ -89,7 +107,7 @@ class _VllmCollector(Collector):
 
 class Metrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes],
-                 settings: Settings) -> None:
+                 queue: Callable[[], AsyncEngine], settings: Settings) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -113,7 +131,14 @@ class Metrics:
             "kvserve_request_rejected", "Requests refused for load: queue full (429), queue timeout or shutdown (503)",
             ["status"], registry=r,
         )
-        r.register(_EngineCollector(snapshot, times))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: the memory a soak watches
+        # Every label value exists from the start, at 0: a series born at 1 on its first 429 or error
+        # is one increase()/rate() cannot see, so the alerts on them would miss it.
+        for reason in FinishReason:
+            self.success.labels(finish_reason=reason.value)
+        for status in ("429", "503"):
+            self.rejected.labels(status=status)
+        r.register(_EngineCollector(snapshot, times, queue))
         if settings.metrics_compat == "vllm":
             r.register(_VllmCollector(snapshot, settings.served_name))
 

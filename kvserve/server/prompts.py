@@ -11,13 +11,13 @@ from dataclasses import dataclass, replace
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 from pydantic import ValidationError
 
-from kvserve.cache.chat_marks import mark_messages
+from kvserve.cache.chat_marks import Mark, mark_messages
 from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request
-from kvserve.scheduler.scheduler import SchedulerConfig
+from kvserve.scheduler.config import SchedulerConfig
 from kvserve.server.errors import context_length_exceeded, invalid, invalid_body
 from kvserve.server.schemas import (
     ChatCompletionRequest,
@@ -27,26 +27,15 @@ from kvserve.server.schemas import (
     ToolChoiceField,
     _Sampling,
 )
-from kvserve.tools import (
-    ChatTurn,
-    FunctionTool,
-    HistoryCall,
-    Mode,
-    ToolChoice,
-    ToolError,
-    ToolFormat,
-    ToolPlan,
-    detect_format,
-    plan_tools,
-    template_messages,
-)
-from kvserve.tools.spec import NO_PARAMETERS
+from kvserve.tools import ChatTurn, HistoryCall, ToolPlan, plan_tools, template_messages
+from kvserve.tools.formats import ToolFormat, detect_format
+from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, ToolError
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
     tokens: list[int]
-    stops: list[tuple[int, bool]]  # for a model that carries state: the stops worth a checkpoint
+    marks: list[Mark]  # for a model that carries state: the marks worth a checkpoint
     tools: ToolPlan | None  # how the reply calls tools; None: it is plain text
 
 
@@ -99,18 +88,23 @@ def _tool_choice(choice: ToolChoiceField | None) -> ToolChoice:
 def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> ChatPrompt:
     """The prompt of a chat body, with the tools it may call: the same for serving and for the
     routes that only look at prompts."""
-    fmt = detect_format(template.source)
-    plan = chat_tools(model, fmt, body)
-    messages = template_messages(fmt, chat_turns(body))
+    return turns_prompt(model, template, chat_turns(body), chat_tools(model, detect_format(template.source), body))
+
+
+def turns_prompt(model: Model, template: ChatTemplate, turns: list[ChatTurn], plan: ToolPlan | None,
+                 param: str = "messages") -> ChatPrompt:
+    """The prompt of a conversation (any API's, as turns) whose reply may call tools by `plan`;
+    a template that refuses it is a 400 naming `param`."""
+    messages = template_messages(detect_format(template.source), turns)
     if plan is not None:
         template, messages = plan.template(template), plan.prompt_messages(messages)
     try:
         if model.info.carries_state:
             turn = mark_messages(model, template, messages)
-            return ChatPrompt(turn.tokens, turn.stops(), plan)
+            return ChatPrompt(turn.tokens, turn.checkpoint_marks(), plan)
         return ChatPrompt(text_tokens(model, template.render(messages), template.bos_token), [], plan)
     except ChatTemplateError as exc:
-        raise invalid(str(exc), "messages") from exc
+        raise invalid(str(exc), param) from exc
 
 
 def text_tokens(model: Model, text: str, bos_text: str = "") -> list[int]:
@@ -192,9 +186,15 @@ def chat_sampling(model: Model, body: ChatCompletionRequest, tools: ToolPlan | N
     """A chat's sampling: constrained by its tool grammar, or by its response_format."""
     if tools is None:
         return sampling_params(model, body, grammar_for(body.response_format))
+    return with_tool_grammar(model, sampling_params(model, body, None), tools)
+
+
+def with_tool_grammar(model: Model, params: SamplingParams, tools: ToolPlan) -> SamplingParams:
+    """`params` constrained by the tool plan's grammar (lazy where it has triggers); a grammar
+    llama.cpp rejects is a 400 naming `tools`."""
     grammar = tools.grammar
-    params = replace(sampling_params(model, body, None), grammar=grammar.gbnf,
-                     grammar_trigger_patterns=grammar.trigger_patterns, grammar_trigger_tokens=grammar.trigger_tokens)
+    params = replace(params, grammar=grammar.gbnf, grammar_trigger_patterns=grammar.trigger_patterns,
+                     grammar_trigger_tokens=grammar.trigger_tokens)
     _check_grammar(model, params, "tools")
     return params
 
@@ -213,7 +213,7 @@ async def chat_job(engine: Engine, body: ChatCompletionRequest) -> tuple[Request
     params = chat_sampling(engine.model, body, prompt.tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl")
-    job.stops = prompt.stops
+    job.marks = prompt.marks
     job.special_text = prompt.tools is not None and prompt.tools.special_text
     return job, prompt.tools
 
@@ -236,7 +236,7 @@ def build_request(
         params=params,
         max_tokens=min(body.token_limit or room, room),
         n=body.n,
-        stop=body.stop,
+        stop_strings=body.stop,
         logprobs=logprobs,
         ignore_eos=body.ignore_eos,
     )

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
+
+from kvserve.tools.spec import NAME_PATTERN
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -100,7 +103,7 @@ class ResponseFormat(_Body):
 
 
 class FunctionDefinition(_Body):
-    name: str
+    name: str = Field(pattern=NAME_PATTERN.pattern)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema of the arguments; none: no arguments
     strict: bool | None = None  # accepted; kvserve enforces every tool's schema by grammar
@@ -131,6 +134,8 @@ class AllowedToolsChoice(_Body):
 
 
 ToolChoiceField = Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedToolsChoice]
+_CHOICE_OBJECT: TypeAdapter = TypeAdapter(
+    Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(discriminator="type")])
 
 
 class _Sampling(_Body):
@@ -182,9 +187,24 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ChatTool] | None = Field(None, min_length=1)
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
-    # The pre-tools form of function calling: refused rather than ignored.
-    functions: list[dict[str, Any]] | None = None
-    function_call: Union[str, dict[str, Any], None] = None
+    # The pre-tools form of function calling: refused rather than ignored, and left out of the
+    # OpenAPI document, which describes what is served.
+    functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    function_call: SkipJsonSchema[Union[str, dict[str, Any], None]] = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_object(cls, value: Any) -> Any:
+        """An object choice is told apart by its type, so its error names what is wrong in it
+        rather than that it is not one of the strings."""
+        if not isinstance(value, dict):
+            return value
+        try:
+            return _CHOICE_OBJECT.validate_python(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"][1:])
+            raise ValueError(f"{where}: {first['msg']}" if where else first["msg"]) from None
 
     @field_validator("functions", "function_call")
     @classmethod

@@ -14,8 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
-from kvserve.cache.state_cache import StateCache
-from kvserve.scheduler.engine import Engine
+from kvserve.scheduler.engine import Engine, cache_cells
 from kvserve.server import prompts
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -46,13 +45,15 @@ async def server_info(request: Request) -> dict:
         "max_total_tokens": s.ctx_size,
         "version": __version__,
         "engine": "kvserve",
+        "flash_attn": s.flash_attn,  # as asked; `flash_attn_enabled` is what llama.cpp chose
+        "flash_attn_enabled": engine.pool.ctx.flash_attn,
         "cache": {
             "prefix_cache": s.prefix_cache,
-            "kind": "checkpoints" if isinstance(engine.pool.cache, StateCache) else "pages",
+            "kind": engine.cache.keeps,
             "ctx_size": s.ctx_size,
             "parallel": s.parallel,
             "page_rows": s.page_rows,
-            "prefix_cache_cells": s.prefix_cache_cells,
+            "prefix_cache_cells": cache_cells(s.prefix_cache_cells, engine.pool.ctx.n_ctx),  # the cap in force
             "prefix_states": s.prefix_states,
             "prefix_state_mb": s.prefix_state_mb,
         },

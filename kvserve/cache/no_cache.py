@@ -1,0 +1,48 @@
+"""The prefix cache of a server run without one: it keeps nothing, so every prompt is prefilled whole."""
+
+from __future__ import annotations
+
+from kvserve.cache.cache_stats import CacheStats
+from kvserve.cache.chat_marks import MarkKind
+from kvserve.cache.kv_pool import Session
+from kvserve.cache.prefix_cache import PrefixCache
+
+
+class NoCache(PrefixCache):
+    keeps = "none"
+    donates_prompt = False
+
+    @property
+    def held_cells(self) -> int:
+        return 0
+
+    def match_len(self, tokens: list[int]) -> int:
+        return 0
+
+    def attach(self, session: Session, tokens: list[int]) -> int:
+        return 0
+
+    def gains_from_waiting(self, shared: int, cached: int) -> bool:
+        return False  # a running prefill leaves nothing here
+
+    def insert(self, session: Session, tokens: list[int], preview: str = "",
+               kind: MarkKind = MarkKind.CONVERSATION) -> None:
+        return None
+
+    def evict(self, cells: int) -> int:
+        return 0
+
+    def free_a_seq_id(self) -> None:
+        pass
+
+    def unlock(self, session: Session) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def stats(self) -> CacheStats:
+        return CacheStats()
+
+    def view(self) -> dict:
+        return {"enabled": False, "held_pages": 0, "chains": []}

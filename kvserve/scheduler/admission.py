@@ -1,0 +1,174 @@
+"""Admission: which waiting requests start, in what order, and why the others wait.
+
+Invariants:
+- running choices never exceed `max_running`;
+- a request starts only with room for its uncached prompt on top of what running requests have still
+  to prefill, so a new prompt cannot take the cells an admitted one needs; a prompt without room in
+  a context where nothing runs never fits, and fails with a 400;
+- cache-aware order ranks only the head of the queue (`ADMISSION_WINDOW`), so a long queue costs
+  nothing extra, and a request passed over `STARVATION_LIMIT` times goes first regardless;
+- only a request never admitted times out in the queue (503); a preempted one keeps its place;
+- a request left waiting says why in `blocked_on`, which the stall report prints.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from kvserve.llama.detokenizer import Detokenizer
+from kvserve.llama.sampler import Sampler
+from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.ending import Ending
+from kvserve.scheduler.kv_manager import KvManager
+from kvserve.scheduler.queues import Queues
+from kvserve.scheduler.request import Choice, FinishReason, Request
+from kvserve.scheduler.step_output import StepOutputs
+from kvserve.scheduler.stop_strings import StopMatcher
+
+# A waiting request passed over this many times by cache-aware admission goes first regardless.
+STARVATION_LIMIT = 8
+# Cache-aware admission ranks only the head of the queue, so a long queue costs nothing extra.
+ADMISSION_WINDOW = 32
+
+
+class Room(enum.Enum):
+    NOW = "now"
+    LATER = "later"  # once running requests give cells back
+    NEVER = "never"  # nothing runs, and still there is none
+
+
+class Admission:
+    def __init__(self, kv: KvManager, ending: Ending, config: SchedulerConfig, queues: Queues) -> None:
+        self.kv = kv
+        self.ending = ending
+        self.config = config
+        self.queues = queues
+
+    def free_slots(self) -> int:
+        return self.config.max_running - sum(_open_choices(r) for r in self.queues.running)
+
+    def time_out_waiting(self, outputs: StepOutputs) -> None:
+        """A request never admitted within the queue timeout fails with a 503."""
+        limit = self.config.queue_timeout
+        if not limit:
+            return
+        now = time.monotonic()
+        for request in [r for r in self.queues.waiting if r.admitted_at is None and now - r.arrival > limit]:
+            message = f"the request waited {limit:g}s for a slot; the server is overloaded"
+            self.ending.end(request, FinishReason.ERROR, outputs, error=message, status=503)
+
+    def admit(self, outputs: StepOutputs) -> None:
+        """Start waiting requests in admission order until one cannot start for lack of a slot,
+        cells or a sequence id; one that waits for a running prefill of its prefix is skipped."""
+        if self.free_slots() <= 0:
+            return  # no slot: skip ranking the queue, which costs a cache lookup per waiting request
+        admitted: list[Request] = []
+        for request in self._admission_order():
+            if _open_choices(request) > self.free_slots():
+                request.blocked_on = "a free slot"
+                break
+            cached = self.kv.cached_len(request.prompt)
+            if self._waits_for_a_running_prefill(request, cached):
+                request.blocked_on = "a running prefill of the same prefix to donate it"
+                continue
+            room = self._make_room_for(request, cached)
+            if room is Room.NEVER:
+                self.ending.end(request, FinishReason.ERROR, outputs, error="the prompt does not fit in the KV cache",
+                                status=400)
+            if room is not Room.NOW:
+                request.blocked_on = f"KV cells for {len(request.prompt) - cached} prompt tokens"
+                break
+            if not self._start(request):
+                request.blocked_on = "a free sequence id"
+                break
+            self.queues.waiting.remove(request)
+            self.queues.running.append(request)
+            admitted.append(request)
+        self._count_passed_over(admitted)
+
+    def _admission_order(self) -> list[Request]:
+        """Longest cached prefix first among the head of the queue; a request passed over too often
+        goes first regardless, so nothing starves."""
+        window = list(self.queues.waiting)[:ADMISSION_WINDOW]
+        if not window:
+            return window
+        starved = [r for r in window if r.passed_over >= STARVATION_LIMIT]
+        rest = sorted((r for r in window if r.passed_over < STARVATION_LIMIT),
+                      key=lambda r: self.kv.cached_len(r.prompt), reverse=True)  # stable: ties keep arrival order
+        return starved + rest
+
+    def _count_passed_over(self, admitted: list[Request]) -> None:
+        """Every request still waiting that arrived before one admitted now was passed over."""
+        if not admitted:
+            return
+        latest = max(r.arrival for r in admitted)
+        for request in self.queues.waiting:
+            if request.arrival < latest:
+                request.passed_over += 1
+
+    def _waits_for_a_running_prefill(self, request: Request, cached: int) -> bool:
+        """A request whose prompt shares more than a page beyond what is cached with a prompt being
+        prefilled right now waits for that prefill to donate, instead of computing the same prefix."""
+        for other in self.queues.running:
+            first = other.choices[0]
+            if first.session is not None and first.session.n_past < len(other.prompt):
+                if self.kv.gains_from_waiting(_common_prefix(request.prompt, other.prompt), cached):
+                    return True
+        return False
+
+    def _make_room_for(self, request: Request, cached: int) -> Room:
+        """Evict cold cache entries for the uncached prompt (and one token per choice) on top of what
+        running requests have still to prefill; says whether there is room, and if not, whether
+        there can be."""
+        if self.kv.make_room(self._unevaluated_tokens() + len(request.prompt) - cached + request.n):
+            return Room.NOW
+        return Room.LATER if self.queues.running else Room.NEVER
+
+    def _unevaluated_tokens(self) -> int:
+        return sum(c.unevaluated for r in self.queues.running for c in r.choices
+                   if c.finish_reason is None and not c.waits_for_fork)
+
+    def _start(self, request: Request) -> bool:
+        """Give each open choice a session and attach what the cache holds. False: no ids now.
+        On the first start only choice 0 prefills (its siblings fork from it once the prompt is
+        evaluated) and the checkpoint marks are planned; a preempted request resumes every choice."""
+        first_time = not request.choices
+        if first_time:
+            request.choices = [self._new_choice(request, i) for i in range(request.n)]
+        open_choices = [c for c in request.choices if c.finish_reason is None]
+        if not self.kv.open_sessions(request, open_choices):
+            return False
+        request.admitted_at = request.admitted_at or time.monotonic()
+        if not first_time:
+            self.kv.attach_cached(request, open_choices)
+            return True
+        for sibling in open_choices[1:]:
+            sibling.waits_for_fork = True
+        self.kv.attach_cached(request, open_choices[:1])
+        self.kv.plan_checkpoints(request)
+        return True
+
+    def _new_choice(self, request: Request, index: int) -> Choice:
+        model = self.kv.model
+        return Choice(
+            index=index,
+            tokens=list(request.prompt),
+            sampler=Sampler(model, request.params),
+            detokenizer=Detokenizer(model, special=request.special_text),
+            stop_matcher=StopMatcher(request.stop_strings),
+        )
+
+
+def _open_choices(request: Request) -> int:
+    """Choices the request runs (or will run once started): each takes a slot."""
+    return sum(c.finish_reason is None for c in request.choices) if request.choices else request.n
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,48 @@
+"""From a row of logits to a choice's next token and what the client sees of it.
+
+Invariants:
+- an end-of-generation token ends the choice with `stop` and reaches the client neither as a token
+  nor as logprobs (unless the request ignores it);
+- nothing at or after a stop string reaches the client; a choice that ends otherwise emits the text
+  held back for a possible stop string or a character split across tokens;
+- a choice ends with `length` at its `max_tokens` or at the longest sequence the context allows.
+"""
+
+from __future__ import annotations
+
+from kvserve.llama.context import Context
+from kvserve.llama.sampler import token_logprobs
+from kvserve.scheduler.request import Choice, Delta, FinishReason, Request
+from kvserve.scheduler.step_output import StepOutputs
+
+
+class Sampling:
+    def __init__(self, ctx: Context, max_seq_len: int) -> None:
+        self.ctx = ctx
+        self.max_seq_len = max_seq_len
+
+    def take_token(self, request: Request, choice: Choice, row: int, outputs: StepOutputs) -> None:
+        """Sample the choice's next token from logits row `row` and emit it."""
+        token = choice.sampler.sample(self.ctx, row)
+        choice.tokens.append(token)
+        choice.n_generated += 1
+        delta = outputs.delta(request, choice)
+        if self.ctx.model.is_eog(token) and not request.ignore_eos:
+            self._close_choice(choice, FinishReason.STOP, delta)
+            return
+        if request.logprobs is not None:
+            delta.logprobs.append(token_logprobs(self.ctx.logits(row), token, request.logprobs))
+        delta.token_ids.append(token)
+        delta.text += choice.stop_matcher.feed(choice.detokenizer.feed(token))
+        if choice.stop_matcher.stopped:
+            choice.end(FinishReason.STOP)
+            delta.finish_reason = FinishReason.STOP
+        elif choice.n_generated >= request.max_tokens or len(choice.tokens) >= self.max_seq_len:
+            self._close_choice(choice, FinishReason.LENGTH, delta)
+
+    @staticmethod
+    def _close_choice(choice: Choice, reason: FinishReason, delta: Delta) -> None:
+        """End a choice normally: text held back for a possible stop string or a split character is real."""
+        delta.text += choice.stop_matcher.feed(choice.detokenizer.flush()) + choice.stop_matcher.flush()
+        choice.end(reason)
+        delta.finish_reason = reason

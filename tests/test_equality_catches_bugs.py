@@ -1,0 +1,158 @@
+"""The equality tests would catch a real batching or caching bug at once, in both attention modes:
+each bug below is patched in, and the comparison with a request served alone must fail.
+
+Each is a bug a batching scheduler or a prefix cache can really have, and each is invisible to a
+request served alone, in a batch of its own. A wrong position, sequence id or mask makes llama.cpp
+reject the batch (it checks that each sequence's positions continue), which fails the request and
+so the test; a wrong logits row, or the cells of another chain at the right positions, passes
+llama.cpp's checks and only the comparison of tokens and logprobs catches it.
+"""
+
+from __future__ import annotations
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from equality import TINY_TOLERANCE, TOP, assert_like_alone
+from kvserve.cache.kv_pool import KvPool, SeqIds
+from kvserve.cache.page_cache import PageCache
+from kvserve.llama.batch import Batch
+from kvserve.llama.context import Context, ContextParams
+from kvserve.llama.model import Model
+from kvserve.llama.sampler import TokenLogprobs, token_logprobs
+from test_batching import MODES, alone_and_together, assert_all_like_alone
+
+PAGE = 16
+
+
+class _Buggy(Batch):
+    """A batch whose `add` misplaces what comes after the first sequence of a step."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.seqs: list[int] = []  # sequences in this step, in order
+
+    def clear(self) -> None:
+        super().clear()
+        self.seqs = []
+
+    def add(self, token: int, pos: int, seq: int, wants_logits: bool) -> int:
+        if seq not in self.seqs:
+            self.seqs.append(seq)
+        return super().add(token, *self.misplace(pos, seq), wants_logits)
+
+    def misplace(self, pos: int, seq: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+
+class WrongPosition(_Buggy):
+    """Positions counted from the batch, not the sequence, for a sequence that is not first."""
+
+    def misplace(self, pos: int, seq: int) -> tuple[int, int]:
+        return (pos + self.n_tokens if self.seqs.index(seq) else pos), seq
+
+
+class WrongSequence(_Buggy):
+    """Off by one slot: a token lands in the sequence of the slot before it."""
+
+    def misplace(self, pos: int, seq: int) -> tuple[int, int]:
+        slot = self.seqs.index(seq)
+        return pos, self.seqs[slot - 1] if slot else seq
+
+
+class LeakyMask(_Buggy):
+    """Tokens of later sequences are also filed under the first one, so its attention sees them."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        llama_cpp.llama_batch_free(self._raw)
+        self._raw = llama_cpp.llama_batch_init(capacity, 0, 2)
+
+    def add(self, token: int, pos: int, seq: int, wants_logits: bool) -> int:
+        i = super().add(token, pos, seq, wants_logits)
+        if self.seqs[0] != seq:
+            self._raw.n_seq_id[i] = 2
+            self._raw.seq_id[i][1] = self.seqs[0]
+        return i
+
+    def misplace(self, pos: int, seq: int) -> tuple[int, int]:
+        return pos, seq
+
+
+class WrongLogitsRow(_Buggy):
+    """Every sequence's logits are requested, but the scheduler reads each from the row before."""
+
+    def add(self, token: int, pos: int, seq: int, wants_logits: bool) -> int:
+        i = super().add(token, pos, seq, True)  # every row has logits, so a wrong one is still readable
+        return i - 1 if wants_logits and self.seqs.index(seq) else i
+
+    def misplace(self, pos: int, seq: int) -> tuple[int, int]:
+        return pos, seq
+
+
+@pytest.mark.parametrize("flash_attn", MODES)
+@pytest.mark.parametrize("bug", [WrongPosition, WrongSequence, LeakyMask, WrongLogitsRow],
+                         ids=lambda bug: bug.__name__)
+def test_equality_fails_on_a_batching_bug(tiny, monkeypatch: pytest.MonkeyPatch, bug: type[Batch],
+                                          flash_attn: str) -> None:
+    monkeypatch.setattr("kvserve.scheduler.scheduler.Batch", bug)
+    with pytest.raises(AssertionError):
+        alone, together = alone_and_together(tiny("llama"), max_tokens=8, flash_attn=flash_attn)
+        assert_all_like_alone(alone, together, flash_attn)
+
+
+@pytest.mark.parametrize("flash_attn", MODES)
+def test_the_same_comparison_passes_without_a_bug(tiny, flash_attn: str) -> None:
+    alone, together = alone_and_together(tiny("llama"), max_tokens=8, flash_attn=flash_attn)
+    assert_all_like_alone(alone, together, flash_attn)
+
+
+def _traced_generate(pool, session, tail: list[int], n: int) -> list[TokenLogprobs]:
+    logits, out = pool.eval(session, tail), []
+    for _ in range(n):
+        step = token_logprobs(logits, int(np.argmax(logits)), TOP)
+        out.append(step)
+        logits = pool.eval(session, [step.token])
+    return out
+
+
+@pytest.mark.parametrize("flash_attn", MODES)
+@pytest.mark.parametrize("wrong_cells", [False, True], ids=["right-cells", "wrong-cells"])
+def test_attach_equality_fails_on_wrong_cells(tiny, monkeypatch: pytest.MonkeyPatch, flash_attn: str,
+                                              wrong_cells: bool) -> None:
+    """The prefix cache shares the cells of another chain at the same positions: llama.cpp cannot
+    tell (positions continue), so only the comparison with a scratch run can."""
+    model = Model(tiny("llama"))
+    ctx = Context(model, ContextParams(n_ctx=1024, n_batch=256, n_seq_max=16, n_threads=2, flash_attn=flash_attn))
+    ids = SeqIds(ctx.n_seq_max)
+    cache = PageCache(ctx, ids, PAGE)
+    pool = KvPool(ctx, ids, cache)
+    a, b = (model.tokenize(f"{name} " + "and so the story goes on " * 16, add_special=True)[:65]
+            for name in ("Alice", "Bob"))
+    for prompt in (a, b):
+        session = pool.new_session()
+        pool.eval(session, prompt)
+        cache.insert(session, session.tokens)
+        pool.end_session(session)
+    holder_a = cache.tree.match(a, len(a))[0].holder.seq  # the sequence id whose cells hold chain A
+    if wrong_cells:
+        real_seq_cp = pool.ctx.seq_cp
+        monkeypatch.setattr(pool.ctx, "seq_cp", lambda src, dst, p0=-1, p1=-1: real_seq_cp(holder_a, dst, p0, p1))
+    session = pool.new_session()
+    assert cache.attach(session, b) == 64
+    attached = _traced_generate(pool, session, b[64:], 8)
+    pool.end_session(session)
+    monkeypatch.undo()
+    scratch_session = pool.new_session()
+    scratch = _traced_generate(pool, scratch_session, b, 8)
+    pool.end_session(scratch_session)
+    cache.release()
+    pool.close()
+    model.close()
+    tolerance = None if flash_attn == "off" else TINY_TOLERANCE
+    if wrong_cells:
+        with pytest.raises(AssertionError):
+            assert_like_alone(scratch, attached, tolerance)
+    else:
+        assert_like_alone(scratch, attached, tolerance)

@@ -1,0 +1,63 @@
+"""Stall-free prefill: a long prompt arriving while streams decode is fed in chunks of at most
+`--prefill-chunk` tokens per step, so every running stream gets its next token each step; with
+nothing decoding, a prompt takes the whole token budget. Counted in tokens per step, not seconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import engine, greedy
+from kvserve.llama.batch import Batch
+from kvserve.scheduler.engine import Engine
+
+CHUNK = 32
+STREAMS = 4
+
+
+def batch_sizes(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tokens in each batch the engine decodes from now on."""
+    sizes: list[int] = []
+    real_decode = e.pool.ctx.decode
+
+    def counting(batch: Batch) -> None:
+        sizes.append(batch.n_tokens)
+        real_decode(batch)
+
+    monkeypatch.setattr(e.pool.ctx, "decode", counting)
+    return sizes
+
+
+def test_a_long_prompt_never_holds_up_running_streams(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    with engine(tiny("llama"), batch_size=512, prefill_chunk=CHUNK, parallel=8) as e:
+        sizes = batch_sizes(e, monkeypatch)
+        streams = [greedy(e.model.tokenize(f"Stream {i} says", add_special=True), max_tokens=400, ignore_eos=True)
+                   for i in range(STREAMS)]
+        for request in streams:
+            e.scheduler.submit(request)
+        while not all(r.choices and r.choices[0].n_generated >= 2 for r in streams):
+            e.scheduler.step()
+        long_prompt = greedy([1] + [(7 * j) % 300 + 5 for j in range(400)], max_tokens=3)
+        e.scheduler.submit(long_prompt)
+        sizes.clear()
+        generated = [r.choices[0].n_generated for r in streams]
+        while not long_prompt.choices or long_prompt.choices[0].n_generated == 0:
+            e.scheduler.step()
+            now = [r.choices[0].n_generated for r in streams]
+            assert now == [g + 1 for g in generated], "a running stream missed a step"
+            generated = now
+        assert len(sizes) >= 400 // CHUNK  # the prompt went in chunks, not in one step
+        assert max(sizes) <= STREAMS + CHUNK
+        for request in streams:
+            e.scheduler.abort(request.id)
+        while e.scheduler.has_work():
+            e.scheduler.step()
+
+
+def test_with_nothing_decoding_a_prompt_takes_the_whole_budget(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    with engine(tiny("llama"), batch_size=512, prefill_chunk=CHUNK) as e:
+        sizes = batch_sizes(e, monkeypatch)
+        request = greedy([1] + [(7 * j) % 300 + 5 for j in range(400)], max_tokens=2)
+        e.scheduler.submit(request)
+        while e.scheduler.has_work():
+            e.scheduler.step()
+        assert sizes[0] == 401

@@ -1,0 +1,114 @@
+"""Requests never wait on cells nobody will free, and a stall, if one happens anyway, is reported.
+
+The stall seen in a soak at `--ctx-size 2048` with the default `--prefix-cache-cells 4096` is
+reproduced here step by step: two prompts admitted together, the cache holding every other cell.
+Admission counted only the newcomer's prompt against free cells, not what running requests still had
+to prefill, and prefill never asked the cache to evict, so the second prompt sat at zero free cells
+for as long as the cache was full and no other request ran.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Iterator
+
+import httpx
+import pytest
+
+from conftest import engine, greedy, run, served
+from kvserve.llama.batch import Batch
+from kvserve.scheduler.admission import Room
+from kvserve.testing import read_metrics
+
+
+def test_two_prompts_admitted_into_a_full_cache_both_finish(tiny) -> None:
+    with engine(tiny("llama"), ctx_size=256, batch_size=256) as e:
+        e.cache.max_cells = e.pool.n_cells  # as before the clamp: the scheduler must not rely on it
+        for i in range(6):  # unique histories the cache keeps
+            run(e, [greedy([1] + [(7 * i + j) % 200 + 3 for j in range(40)], max_tokens=2)])
+        assert e.pool.free_cells < 100
+        a = greedy([1] + [(11 * j) % 200 + 5 for j in range(100)], max_tokens=2)
+        b = greedy([1] + [(13 * j) % 200 + 7 for j in range(100)], max_tokens=2)
+        run(e, [a, b], max_steps=50)  # raises if they do not finish
+
+
+def test_prefix_cache_cells_past_half_the_context_are_clamped(tiny, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, "kvserve.engine"), engine(tiny("llama"), ctx_size=512) as e:
+        assert e.cache.max_cells == 256
+    assert "keeps at most 256" in caplog.text
+
+
+class _Flag(logging.Handler):
+    """Sets an event when a record containing `text` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.seen = threading.Event()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.messages.append(record.getMessage())
+            self.seen.set()
+
+
+@pytest.fixture
+def stall_log() -> Iterator[_Flag]:
+    flag = _Flag("engine stall")
+    logger = logging.getLogger("kvserve.scheduler")
+    logger.addHandler(flag)
+    yield flag
+    logger.removeHandler(flag)
+
+
+def test_a_stuck_step_is_reported_once_with_the_state(tiny, stall_log: _Flag, monkeypatch) -> None:
+    """A decode that does not come back: the watchdog logs one warning that names the waiting
+    request, counts the stall, and the oldest waiting request's age shows in /metrics."""
+    release = threading.Event()
+    with served(tiny("llama"), threads=1, parallel=1, stall_seconds=0.5) as (url, app):
+        ctx = app.state.engine.pool.ctx
+        real_decode = ctx.decode
+
+        def stuck(batch: Batch) -> None:
+            release.wait(60)
+            real_decode(batch)
+
+        monkeypatch.setattr(ctx, "decode", stuck)
+        with httpx.Client(timeout=60) as client:
+            done = []
+            body = {"prompt": "hi", "max_tokens": 2}
+            threads = [threading.Thread(target=lambda: done.append(client.post(f"{url}/v1/completions", json=body)))
+                       for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            try:
+                assert stall_log.seen.wait(30), "no stall was reported"
+                metrics = read_metrics(url)
+            finally:
+                release.set()
+            for thread in threads:
+                thread.join(60)
+    assert [r.status_code for r in done] == [200, 200]
+    assert len(stall_log.messages) == 1
+    assert "has not come back from one step" in stall_log.messages[0]
+    assert metrics.value("kvserve_engine_stalls_total") == 1
+    assert metrics.value("kvserve_oldest_waiting_seconds") > 0
+
+
+def test_a_scheduler_that_moves_nothing_describes_what_waits(tiny, stall_log: _Flag, monkeypatch) -> None:
+    """Steps keep running but admit nothing: the report says what the waiting request waits for."""
+    with served(tiny("llama"), threads=1, stall_seconds=0.5) as (url, app):
+        scheduler = app.state.engine.scheduler
+        monkeypatch.setattr(scheduler.admission, "_make_room_for", lambda request, cached: Room.LATER)
+        with httpx.Client(timeout=60) as client:
+            result = []
+            thread = threading.Thread(
+                target=lambda: result.append(client.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})))
+            thread.start()
+            assert stall_log.seen.wait(30), "no stall was reported"
+            monkeypatch.undo()
+            thread.join(60)
+    assert result[0].status_code == 200
+    assert "waits" in stall_log.messages[0] and "for KV cells for" in stall_log.messages[0]
