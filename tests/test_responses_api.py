@@ -362,7 +362,7 @@ BAD = {
     "choice-without-tools": ({"input": "hi", "tool_choice": "required"}, "tool_choice", "tools"),
     "hosted-choice": ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice",
                       "function"),
-    "tool-name": ({"input": "hi", "tools": [{**WEATHER, "name": "get weather"}]}, "tools[0].name", "names"),
+    "tool-name": ({"input": "hi", "tools": [{**WEATHER, "name": "get weather"}]}, "tools[0].name", "pattern"),
     "tool-schema": ({"input": "hi", "tools": [{**WEATHER, "parameters": {"type": "object", "properties": {
         "a": {"$ref": "#/nowhere"}}}}]}, "tools[0].parameters", "get_weather"),
     "tools-and-format": ({"input": "hi", "tools": [WEATHER], "text": {"format": {"type": "json_object"}}},

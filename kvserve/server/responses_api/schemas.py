@@ -11,6 +11,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from kvserve.server.schemas import MAX_TOP_LOGPROBS, _Body
+from kvserve.tools.spec import NAME_PATTERN
 
 MAX_METADATA_PAIRS = 16
 
@@ -91,7 +92,7 @@ InputItem = Annotated[
 
 class FunctionTool(_Body):
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=NAME_PATTERN.pattern)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
