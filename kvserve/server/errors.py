@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.server.schemas import ErrorResponse
 
 
 class APIError(Exception):
@@ -23,6 +26,11 @@ class APIError(Exception):
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI entries for the error statuses a route can answer, all in the OpenAI shape."""
+    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
 
 
 def invalid(message: str, param: str | None = None) -> APIError:
@@ -46,20 +54,26 @@ def engine_error(message: str, status: int) -> APIError:
 
 
 def _param(loc: tuple) -> str | None:
-    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; union branches (a type such as `str`,
+    or a tagged model, named after its class) are no parameter names and are left out."""
     parts = [p for p in loc if p != "body"]
     out = ""
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not str(part).startswith(("function-", "list[", "str", "int", "literal[")):
+        elif not (str(part).startswith(("function-", "list[", "str", "int", "literal[")) or str(part)[:1].isupper()):
             out += ("." if out else "") + str(part)
     return out or None
 
 
 def invalid_body(errors: Sequence[dict]) -> APIError:
-    """The 400 for a body that failed validation, naming the first offending parameter."""
-    first = errors[0]
+    """The 400 for a body that failed validation, naming the first offending parameter. Where a
+    union failed in each of its branches, the deepest error is the branch the value was meant for."""
+    def field(error: dict) -> object:
+        return next((part for part in error.get("loc", ()) if part != "body"), None)
+
+    alike = [e for e in errors if field(e) == field(errors[0])]
+    first = max(alike, key=lambda e: len(e.get("loc", ())))
     if first.get("type") == "json_invalid":
         return invalid("the request body is not valid JSON")
     param = _param(tuple(first.get("loc", ())))

@@ -15,6 +15,7 @@ from kvserve.cache.chat_marks import Mark, mark_messages
 from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
+from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.server.errors import context_length_exceeded, invalid, invalid_body
@@ -204,6 +205,17 @@ def _check_grammar(model: Model, params: SamplingParams, param: str) -> None:
         Sampler(model, params).close()
     except GrammarError as exc:
         raise invalid(str(exc), param) from exc
+
+
+async def chat_job(engine: Engine, body: ChatCompletionRequest) -> tuple[Request, ToolPlan | None]:
+    """The scheduler request a chat body is served as, and how its reply calls tools (None: it is text)."""
+    prompt = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body)
+    params = chat_sampling(engine.model, body, prompt.tools)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl")
+    job.marks = prompt.marks
+    job.special_text = prompt.tools is not None and prompt.tools.special_text
+    return job, prompt.tools
 
 
 def build_request(

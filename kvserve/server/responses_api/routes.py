@@ -1,0 +1,99 @@
+"""`/v1/responses`: create a response (whole or streamed), retrieve and delete a stored one.
+
+A response is served as the chat request it translates to (`to_chat`), so it shares chat's prompt
+rendering, grammars and prefix cache: a continuation (`previous_response_id`) renders the earlier
+turns exactly as they were served and attaches them from the cache.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import AsyncIterator, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from kvserve.scheduler.engine import Engine
+from kvserve.server import prompts
+from kvserve.server.errors import APIError, engine_error, error_responses
+from kvserve.server.generation import Answer, Outputs, accepting, respond
+from kvserve.server.responses import LogprobFormatter
+from kvserve.server.responses_api import to_chat
+from kvserve.server.responses_api.bodies import ResponseHead, as_input
+from kvserve.server.responses_api.events import ResponseEvents, sse_event
+from kvserve.server.responses_api.schemas import CreateResponse
+from kvserve.server.responses_api.store import ResponseStore, StoredResponse
+
+router = APIRouter()
+
+_CREATE = {200: {"content": {"text/event-stream": {}}}, **error_responses(400, 404, 413, 429, 500, 503)}
+Keep = Callable[[dict], None]
+
+
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.response_store
+
+
+def _stored(store: ResponseStore, response_id: str, param: str | None = None) -> StoredResponse:
+    stored = store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id, param)
+    return stored
+
+
+def _not_found(response_id: str, param: str | None = None) -> APIError:
+    what = "Previous response" if param else "Response"
+    return APIError(404, f"{what} with id '{response_id}' not found.", param=param)
+
+
+@router.post("/v1/responses", dependencies=[Depends(accepting)], responses=_CREATE)
+@router.post("/responses", dependencies=[Depends(accepting)], responses=_CREATE)
+async def create_response(body: CreateResponse, request: Request) -> Response:
+    engine: Engine = request.app.state.engine
+    store = _store(request)
+    history = _stored(store, body.previous_response_id, "previous_response_id").context \
+        if body.previous_response_id else []
+    with to_chat.in_responses_terms():
+        job, tools = await prompts.chat_job(engine, to_chat.chat_request(body, history))
+    events = ResponseEvents(ResponseHead(body, engine.settings.served_name),
+                            LogprobFormatter(engine.model) if body.wants_logprobs else None, tools)
+    context = history + body.items
+
+    def keep(final: dict) -> None:
+        if body.store and final["status"] != "failed":
+            store.put(final, context + [as_input(item) for item in final["output"]])
+
+    streamed = partial(_streamed, events, keep) if body.stream else None
+    return await respond(request, engine, job, Answer(partial(_whole, events, keep), streamed))
+
+
+async def _whole(events: ResponseEvents, keep: Keep, outputs: Outputs) -> dict:
+    async for output in outputs:
+        if output.error is not None:
+            raise engine_error(output.error, output.status)
+        events.feed(output)
+    keep(events.final)
+    return events.final
+
+
+async def _streamed(events: ResponseEvents, keep: Keep, outputs: Outputs) -> AsyncIterator[str]:
+    for event in events.started():
+        yield sse_event(event)
+    async for output in outputs:
+        for event in events.feed(output):
+            yield sse_event(event)
+    keep(events.final)
+
+
+@router.get("/v1/responses/{response_id}", responses=error_responses(404))
+@router.get("/responses/{response_id}", responses=error_responses(404))
+async def get_response(response_id: str, request: Request) -> dict:
+    return _stored(_store(request), response_id).body
+
+
+@router.delete("/v1/responses/{response_id}", responses=error_responses(404))
+@router.delete("/responses/{response_id}", responses=error_responses(404))
+async def delete_response(response_id: str, request: Request) -> dict:
+    if not _store(request).delete(response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
