@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     parallel: int = Field(16, ge=1, le=128, description="sequences decoding at once")
     batch_size: int = Field(512, ge=16, description="tokens per engine step (decode tokens + prompt chunks)")
     prefill_chunk: int = Field(
-        64, ge=0, description="most prompt tokens in a step while streams decode (0: the whole batch); bounds their token latency"
+        0, ge=0, description="most prompt tokens in a step while streams decode (0: the whole batch); bounds their token latency"
     )
     threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
     flash_attn: Literal["on", "off", "auto"] = Field(
