@@ -32,9 +32,9 @@ def base_url(smollm2: Path) -> Iterator[str]:
         yield url
 
 
-def responses_agent(base_url: str, calls: list[tuple[str, Any]], steered: bool) -> Agent:
+def responses_agent(base_url: str, calls: list[tuple[str, Any]]) -> Agent:
     """test_agents' agent, served through /v1/responses."""
-    agent = weather_agent(base_url, calls, steered)
+    agent = weather_agent(base_url, calls)
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     settings = dataclasses.replace(agent.model_settings, extra_body={"frequency_penalty": 0.5})
     return agent.clone(model=OpenAIResponsesModel(model="smollm2", openai_client=client), model_settings=settings)
@@ -63,7 +63,7 @@ def check_store(base_url: str, result: RunResult | RunResultStreaming, chained: 
 @pytest.mark.parametrize("chained", [False, True], ids=["full-input", "previous_response_id"])
 def test_steered_agent_runs_to_its_final_output(base_url: str, streamed: bool, chained: bool) -> None:
     calls: list[tuple[str, Any]] = []
-    result = asyncio.run(run(responses_agent(base_url, calls, steered=True), streamed, chained))
+    result = asyncio.run(run(responses_agent(base_url, calls), streamed, chained))
     assert [name for name, _ in calls] == ["get_weather", "to_fahrenheit"]
     assert isinstance(calls[0][1], str) and calls[0][1] and isinstance(calls[1][1], float)
     kinds = [type(item).__name__ for item in result.new_items]
