@@ -5,8 +5,9 @@ Invariants:
   admission order;
 - a batch never exceeds the token budget, never outruns free KV cells (the cache evicts, then the
   newest running request is preempted), and never carries a sequence twice;
-- a batch that decodes carries at most `prefill_chunk` prompt tokens, so a running stream's next token
-  waits for one short step, never a long prefill (stall-free batching, as Sarathi-Serve's);
+- with `prefill_chunk` set (`--prefill-chunk`, off by default), a batch that decodes carries at most
+  that many prompt tokens, so a running stream's next token waits for one short step, never a long
+  prefill (stall-free batching, as Sarathi-Serve's);
 - choice 0's prefill stops at each of its request's checkpoints, where a recurrent state can be saved.
 """
 
