@@ -20,6 +20,7 @@ from conftest import ARCHS, engine, run_traced
 from equality import SMOLLM2_TOLERANCE, TINY_TOLERANCE, TOP, assert_like_alone
 from kvserve.llama.sampler import SamplingParams, TokenLogprobs
 from kvserve.scheduler.request import Request
+from kvserve.scheduler.scheduler import Scheduler
 
 MODES = ["off", "on"]  # --flash-attn
 
@@ -40,9 +41,14 @@ def traced(prompt: list[int], max_tokens: int) -> Request:
                    params=SamplingParams(temperature=0.0), max_tokens=max_tokens, logprobs=TOP)
 
 
-def alone_and_together(model: Path, max_tokens: int, **overrides) -> tuple[list[list[TokenLogprobs]], ...]:
+# prompts of more than one flash-attention tile (64 tokens), that join while others decode
+LONG_PROMPTS = [f"{p} Then the story goes on, and on, and on, for a while. " * 6 for p in PROMPTS]
+
+
+def alone_and_together(model: Path, max_tokens: int, texts: list[str] = PROMPTS,
+                       **overrides) -> tuple[list[list[TokenLogprobs]], ...]:
     with engine(model, **{"prefix_cache": False, **overrides}) as e:
-        prompts = [e.model.tokenize(p, add_special=True) for p in PROMPTS]
+        prompts = [e.model.tokenize(p, add_special=True) for p in texts]
         alone = []
         for i, prompt in enumerate(prompts):
             request = traced(prompt, max_tokens + i % 3)
@@ -78,6 +84,35 @@ def test_small_token_budget_chunks_prompts_alongside_decodes(tiny, arch: str, fl
     and a parallel limit of 3 makes requests wait and join between steps."""
     alone, together = alone_and_together(tiny(arch), max_tokens=20, batch_size=16, parallel=3, flash_attn=flash_attn)
     assert_all_like_alone(alone, together, flash_attn)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompts_joining_decodes_in_a_call_of_their_own_like_alone(tiny, arch: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With flash attention a step carries decodes and a long prompt chunk in two llama_decode calls,
+    sampling the first before the second overwrites the logits; a parallel limit of 3 makes long
+    prompts join while others decode."""
+    calls_per_step: list[int] = []
+    real_step, real_init = Scheduler.step, Scheduler.__init__
+
+    def counting_step(self: Scheduler):
+        calls_per_step.append(0)
+        return real_step(self)
+
+    def counting_init(self: Scheduler, pool, *args) -> None:
+        real_init(self, pool, *args)
+        real_decode = pool.ctx.decode
+
+        def decode(batch) -> None:
+            calls_per_step[-1] += 1
+            real_decode(batch)
+        monkeypatch.setattr(pool.ctx, "decode", decode)
+
+    monkeypatch.setattr(Scheduler, "step", counting_step)
+    monkeypatch.setattr(Scheduler, "__init__", counting_init)
+    alone, together = alone_and_together(tiny(arch), 16, LONG_PROMPTS, parallel=3, flash_attn="on")
+    assert max(calls_per_step) == 2
+    assert_all_like_alone(alone, together, "on")
 
 
 @pytest.mark.parametrize("flash_attn", MODES)

@@ -1,6 +1,7 @@
-"""Stall-free prefill: a long prompt arriving while streams decode is fed in chunks of at most
-`--prefill-chunk` tokens per step, so every running stream gets its next token each step; with
-nothing decoding, a prompt takes the whole token budget. Counted in tokens per step, not seconds."""
+"""What a step carries. Stall-free prefill: a long prompt arriving while streams decode is fed in
+chunks of at most `--prefill-chunk` tokens per step, so every running stream gets its next token each
+step; with nothing decoding, a prompt takes the whole token budget. With flash attention, decode
+tokens and a prompt chunk of a tile or more go to separate calls. Counted in tokens per call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from conftest import engine, greedy
 from kvserve.llama.batch import Batch
+from kvserve.llama.context import FLASH_ATTENTION_TILE_ROWS
 from kvserve.scheduler.engine import Engine
 
 CHUNK = 32
@@ -61,3 +63,32 @@ def test_with_nothing_decoding_a_prompt_takes_the_whole_budget(tiny, monkeypatch
         while e.scheduler.has_work():
             e.scheduler.step()
         assert sizes[0] == 401
+
+
+def decode_then_prompt(e: Engine, prompt_len: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The calls of the step in which a `prompt_len`-token prompt meets STREAMS decoding streams."""
+    streams = [greedy(e.model.tokenize(f"Stream {i} says", add_special=True), max_tokens=50, ignore_eos=True)
+               for i in range(STREAMS)]
+    for request in streams:
+        e.scheduler.submit(request)
+    while not all(r.choices and r.choices[0].n_generated >= 1 for r in streams):
+        e.scheduler.step()
+    sizes = batch_sizes(e, monkeypatch)
+    e.scheduler.submit(greedy([1] + [(7 * j) % 300 + 5 for j in range(prompt_len - 1)], max_tokens=1))
+    e.scheduler.step()
+    return sizes
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_decodes_and_a_prompt_chunk_go_to_separate_calls_under_flash_attention(
+        tiny, flash_attn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with engine(tiny("llama"), batch_size=512, parallel=8, flash_attn=flash_attn) as e:
+        prompt_len = FLASH_ATTENTION_TILE_ROWS + 36
+        sizes = decode_then_prompt(e, prompt_len, monkeypatch)
+        assert sizes == ([STREAMS, prompt_len] if flash_attn == "on" else [STREAMS + prompt_len])
+
+
+def test_a_step_under_one_tile_stays_one_call(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    with engine(tiny("llama"), batch_size=512, parallel=8, flash_attn="on") as e:
+        prompt_len = FLASH_ATTENTION_TILE_ROWS - STREAMS - 1
+        assert decode_then_prompt(e, prompt_len, monkeypatch) == [STREAMS + prompt_len]

@@ -30,6 +30,11 @@ class NoKvSlot(DecodeError):
 
 
 FlashAttn = Literal["on", "off", "auto"]
+# From this many tokens in a ubatch, the CPU flash-attention kernel works in tiles of this many
+# query rows by 64 cells (GGML_FA_TILE_Q in ggml-cpu/common.h) and skips a tile only where every row
+# is masked; below it, each row skips masked cells on its own. So a batch of 64+ tokens that mixes
+# sequences makes each shared tile attend, at full cost, over every cell of all its sequences.
+FLASH_ATTENTION_TILE_ROWS = 64
 _FLASH_ATTN_TYPES = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
                      "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}
 
@@ -75,6 +80,7 @@ class Context:
         # Under `auto` llama.cpp decides by device and says so only in its log.
         self.flash_attn = params.flash_attn == "on" or (
             params.flash_attn == "auto" and any("Flash Attention enabled" in line for line in said))
+        self.attention_tile_rows = FLASH_ATTENTION_TILE_ROWS if self.flash_attn else None
         self._mem = llama_cpp.llama_get_memory(self._ptr)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
         self.n_batch = llama_cpp.llama_n_batch(self._ptr)

@@ -87,6 +87,7 @@ class Engine:
             max_seq_len=min(ctx.n_ctx, model.info.n_ctx_train or ctx.n_ctx),
             queue_timeout=settings.queue_timeout,
             prefill_chunk=settings.prefill_chunk or None,
+            attention_tile_rows=ctx.attention_tile_rows,
         )
         scheduler = Scheduler(pool, cache, config)
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)

@@ -104,9 +104,9 @@ class Scheduler:
         try:
             self._take_inbox(outputs)
             self.admission.admit(outputs)
-            slots = self.planner.plan(outputs)
-            if slots:
-                self._run(slots, outputs)
+            for slots in self.planner.plan(outputs):
+                if not self._run(slots, outputs):
+                    break
         except Exception:  # a bug must not hang every client: fail what is in flight, keep serving
             _log.exception("engine step failed; failing the requests in flight")
             self.ending.fail({*self.running, *self.waiting}, "internal engine error", outputs)
@@ -141,14 +141,15 @@ class Scheduler:
                     self.ending.end(request, reason, outputs, error=error, status=503)
         self.admission.time_out_waiting(outputs)
 
-    def _run(self, slots: list[Slot], outputs: StepOutputs) -> None:
-        """Decode the planned batch, record what it evaluated, then sample where a sequence's known
-        tokens end."""
+    def _run(self, slots: list[Slot], outputs: StepOutputs) -> bool:
+        """Decode one planned call, record what it evaluated, then sample where a sequence's known
+        tokens end (before the next call overwrites the logits). False: it evaluated nothing, and the
+        rest of the plan no longer holds."""
         self._batch.clear()
         for slot in slots:
             slot.add_to(self._batch)
         if not self._decode(slots, outputs):
-            return
+            return False
         self.last_progress = time.monotonic()
         for slot in slots:
             self.kv.commit(slot.choice, slot.n_tokens)
@@ -156,6 +157,7 @@ class Scheduler:
         for slot in slots:
             if slot.logits_index is not None:
                 self._sample(slot, outputs)
+        return True
 
     def _decode(self, slots: list[Slot], outputs: StepOutputs) -> bool:
         """One `llama_decode` of the batch. False: it evaluated nothing, and what it meant for the
