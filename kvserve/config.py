@@ -43,7 +43,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
     ctx_size: int = Field(16384, ge=256, description="KV cells shared by all sequences")
     parallel: int = Field(16, ge=1, le=128, description="sequences decoding at once")
-    batch_size: int = Field(512, ge=16, description="tokens per engine step (decode tokens + prompt chunks)")
+    batch_size: int = Field(
+        2048, ge=16, description="tokens per engine step (decode tokens + prompt chunks; llama.cpp runs 512 at a time)"
+    )
     prefill_chunk: int = Field(
         0, ge=0, description="most prompt tokens in a step while streams decode (0: the whole batch); bounds their token latency"
     )
