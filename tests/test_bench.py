@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import cache_cost, sweep, workloads
+from bench import attention, cache_cost, sweep, workloads
 from bench.client import Result, stream_chat
 from bench.report import markdown, targets
 from bench.servers import Setup, contenders
@@ -233,3 +233,14 @@ def test_cache_cost_measures_a_full_cache_end_to_end(tiny, tmp_path: Path) -> No
     assert result["warm_up_prompt_tokens"] >= cache_cost.WARM_UP_FILL * 1024
     for fill in (result["cache_before_steady"], result["cache_after_steady"]):
         assert fill["cap_cells"] == 1024 and cache_cost.CacheFill(**fill).reached_cap, fill
+
+
+def test_attention_times_each_call_in_both_kv_layouts(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"SEQUENCES": 2, "PROMPT_TOKENS": 40, "PROMPT_CHUNK": 70, "REPEATS": 1}.items():
+        monkeypatch.setattr(attention, name, value)
+    attention.main(tiny("llama"), threads=1, out=tmp_path)
+    seconds = json.loads((tmp_path / "attention.json").read_text())["seconds"]
+    assert set(seconds) == {"unified", "a stream per sequence"}
+    for shapes in seconds.values():
+        assert len(shapes) == 4 and all(s > 0 for s in shapes.values())
+    assert "| decode step and chunk, two calls |" in (tmp_path / "attention.md").read_text()

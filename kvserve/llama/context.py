@@ -47,6 +47,9 @@ class ContextParams:
     n_threads: int
     n_ubatch: int = 512
     flash_attn: FlashAttn = "auto"
+    # one KV stream for all sequences; False (a stream per sequence, what llama-server runs) only
+    # for bench/attention.py's comparison: the page cache needs cells that sequences share
+    unified: bool = True
 
 
 class Context:
@@ -64,7 +67,7 @@ class Context:
         cparams.n_seq_max = params.n_seq_max
         cparams.n_threads = params.n_threads
         cparams.n_threads_batch = params.n_threads
-        cparams.kv_unified = True  # shared cells are what makes zero-copy prefix attach possible
+        cparams.kv_unified = params.unified  # shared cells are what makes zero-copy prefix attach possible
         # In a unified cache every token's attention spans all used cells, masked per sequence. The
         # CPU flash-attention kernel skips masked cells (and whole masked tiles); plain attention
         # computes them all, so flash attention is what makes one shared cache cheap. Its price: it
