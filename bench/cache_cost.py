@@ -3,8 +3,10 @@
 Two kvservers, otherwise alike, one with the prefix cache and one with --no-prefix-cache, serve the
 same unique-prompt traffic (`workloads.unique`: no request shares a page with another) twice:
 - fresh: the first traffic each server sees;
-- steady state: after a warm-up of other unique requests has filled the page cache to its cap
-  (--prefix-cache-cells), checked on /metrics before measuring, as on a server that has run a while.
+- steady state: after a warm-up of other unique requests (twice --prefix-cache-cells of prompt
+  tokens) has filled the page cache as far as pages nobody reuses may fill it (its cold cap, a
+  quarter of --prefix-cache-cells), checked on /metrics before measuring, as on a server that has
+  run a while.
 The target: output tok/s with the cache on at least TARGET x with it off, both times (a cache that
 costs nothing may also measure a little faster: that is noise, not a miss). Both servers are up
 from the start and take turns, one idle while the other measures, so each pair of measurements is
@@ -47,12 +49,13 @@ class CacheFill:
     held_pages: int
     page_rows: int
     cap_cells: int  # --prefix-cache-cells
+    cold_cap_cells: int  # what pages no request has reused may fill of it: all unique traffic donates
 
     @property
     def reached_cap(self) -> bool:
-        """At least as many whole pages as the cap holds. A donation past the cap evicts pages down
+        """At least as many whole pages as the cold cap holds. A donation past it evicts pages down
         to it, but only pages no running request holds: while requests run it may stay above."""
-        return self.held_pages >= self.cap_cells // self.page_rows
+        return self.held_pages >= self.cold_cap_cells // self.page_rows
 
 
 def cache_fill(url: str) -> CacheFill:
@@ -61,7 +64,8 @@ def cache_fill(url: str) -> CacheFill:
         raise RuntimeError(f"{url}/server_info answered {status}")
     cache = json.loads(body)["cache"]
     held = read_metrics(url).value("kvserve_prefix_cache_held_pages")
-    return CacheFill(held_pages=int(held), page_rows=cache["page_rows"], cap_cells=cache["prefix_cache_cells"])
+    return CacheFill(held_pages=int(held), page_rows=cache["page_rows"], cap_cells=cache["prefix_cache_cells"],
+                     cold_cap_cells=cache["prefix_cache_cold_cells"])
 
 
 def measure(url: str, phase: str, cache: bool, traffic: Traffic, extra: dict) -> dict:
@@ -125,7 +129,8 @@ def markdown(result: dict) -> str:
     header = (f"{describe_machine(result['machine'])}; {result['settings']['model']}; {t['users']} users x "
               f"{t['rounds']} rounds of unique prompts, {t['max_tokens']} output tokens each. Steady state: after "
               f"{result['warm_up_prompt_tokens']} warm-up prompt tokens, the cache held {before['held_pages']} pages "
-              f"x {before['page_rows']} rows of its {before['cap_cells']}-cell cap.")
+              f"x {before['page_rows']} rows: its cap for pages nobody reused, {before['cold_cap_cells']} cells of "
+              f"{before['cap_cells']}.")
     table = markdown_table(
         ["phase", "prefix cache", "output tok/s", "TTFT p50 s", "ITL p50 ms", "ITL p95 ms", "errors"],
         [[r["phase"], "on" if r["cache"] else "off", r["output_tok_s"], r["ttft_p50"], r["itl_p50"] * 1000,

@@ -200,10 +200,11 @@ def test_sweep_refuses_servers_it_does_not_compare() -> None:
 
 
 def test_cache_fill_reaches_the_cap_at_as_many_whole_pages_as_it_holds() -> None:
-    assert cache_cost.CacheFill(held_pages=256, page_rows=16, cap_cells=4096).reached_cap
-    assert not cache_cost.CacheFill(held_pages=255, page_rows=16, cap_cells=4096).reached_cap
-    assert cache_cost.CacheFill(held_pages=256, page_rows=16, cap_cells=4100).reached_cap  # 257 would pass the cap
-    assert not cache_cost.CacheFill(held_pages=0, page_rows=16, cap_cells=4096).reached_cap
+    assert cache_cost.CacheFill(held_pages=64, page_rows=16, cap_cells=4096, cold_cap_cells=1024).reached_cap
+    assert not cache_cost.CacheFill(held_pages=63, page_rows=16, cap_cells=4096, cold_cap_cells=1024).reached_cap
+    # 65 would pass the cap
+    assert cache_cost.CacheFill(held_pages=64, page_rows=16, cap_cells=4096, cold_cap_cells=1025).reached_cap
+    assert not cache_cost.CacheFill(held_pages=0, page_rows=16, cap_cells=4096, cold_cap_cells=1024).reached_cap
 
 
 def cost_row(phase: str, cache: bool, tok_s: float) -> dict:
@@ -217,9 +218,9 @@ def test_cache_cost_is_the_ratio_of_cache_on_to_off_in_each_phase() -> None:
     assert got == {"fresh": (0.98, True), "steady": (0.97, False)}
     result = {"machine": MACHINE, "settings": {"model": "m.gguf"}, "traffic": asdict(cache_cost.Traffic()),
               "warm_up_prompt_tokens": 9000, "rows": rows, "ratios": cache_cost.ratios(rows),
-              "cache_before_steady": asdict(cache_cost.CacheFill(256, 16, 4096))}
+              "cache_before_steady": asdict(cache_cost.CacheFill(64, 16, 4096, 1024))}
     text = cache_cost.markdown(result)
-    assert "the cache held 256 pages x 16 rows of its 4096-cell cap" in text
+    assert "the cache held 64 pages x 16 rows: its cap for pages nobody reused, 1024 cells of 4096" in text
     assert "| steady | on | 9.7 |" in text and "| steady | 0.970 | **no** |" in text
 
 

@@ -222,3 +222,35 @@ def test_held_cells_stay_under_the_cap_lru_first(tiny) -> None:
     cache.release()
     pool.close()
     model.close()
+
+
+def test_cold_pages_fill_at_most_their_share_and_go_before_hot_ones(tiny) -> None:
+    """Pages no attach has hit may fill a quarter of the cap; past it, and when cells are needed,
+    they go before pages that were reused, however long ago those were used."""
+    model = Model(tiny("llama"))
+    pool, cache = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=16, max_cells=16 * PAGE)
+
+    def donate(prompt: list[int]) -> None:
+        session = pool.new_session()
+        pool.eval(session, prompt)
+        cache.insert(session, session.tokens)
+        pool.end_session(session)
+
+    shared = model.tokenize("A shared system prompt: " + "rules and rules " * 12, add_special=True)
+    donate(shared)
+    reader = pool.new_session()
+    hot = cache.attach(reader, shared + [5])
+    pool.end_session(reader)
+    assert hot >= 2 * PAGE and cache.max_cold_cells == 4 * PAGE
+    for i in range(8):
+        donate(model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 8, add_special=True))
+        assert cache.tree.n_cold * PAGE <= cache.max_cold_cells
+        assert cache.match_len(shared + [5]) == hot
+        assert _cells_held_by_llama(pool, _holder_seqs(cache)) == cache.held_cells
+    cold = cache.tree.n_cold * PAGE
+    assert cold > 0
+    cache.evict(cold)  # exactly the cold pages' cells: the older hot pages stay
+    assert cache.tree.n_cold == 0 and cache.match_len(shared + [5]) == hot
+    cache.release()
+    pool.close()
+    model.close()

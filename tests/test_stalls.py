@@ -24,7 +24,8 @@ from kvserve.testing import read_metrics
 
 def test_two_prompts_admitted_into_a_full_cache_both_finish(tiny) -> None:
     with engine(tiny("llama"), ctx_size=256, batch_size=256) as e:
-        e.cache.max_cells = e.pool.n_cells  # as before the clamp: the scheduler must not rely on it
+        # as before the clamp and the cold share: the scheduler must not rely on either
+        e.cache.max_cells = e.cache.max_cold_cells = e.pool.n_cells
         for i in range(6):  # unique histories the cache keeps
             run(e, [greedy([1] + [(7 * i + j) % 200 + 3 for j in range(40)], max_tokens=2)])
         assert e.pool.free_cells < 100

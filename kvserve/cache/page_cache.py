@@ -17,9 +17,14 @@ from typing import Callable
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import SeqIds, Session
-from kvserve.cache.page_tree import Holder, PageNode, PageTree, tick
+from kvserve.cache.page_tree import Holder, PageNode, PageTree, eviction_key, tick
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.context import Context
+
+
+# Cold pages may fill this share of the cache: room for every running conversation's newest turn
+# until its next one, too little for one-off prompts to stretch every step's attention.
+COLD_SHARE = 4
 
 
 @dataclass(eq=False)
@@ -42,14 +47,17 @@ class Chain:
 
 
 class PageCache(PrefixCache):
-    """Pages of donated prefixes. Held cells are not free: without flash attention every decode in a
-    unified cache attends over all used cells, masked or not, so `max_cells` bounds what a cold cache
-    costs the running sequences; past it, least recently used pages go first."""
+    """Pages of donated prefixes. Held cells are not free: every token evaluated in a unified cache
+    pays for each cell in the used extent, masked or not (all of attention without flash attention, a
+    mask check per row, head and layer with it), so `max_cells` bounds what the cache costs running
+    sequences. Most donations are never reused: pages no attach has hit yet (cold) may fill only
+    `max_cold_cells` of it and go first; past either cap, least recently used pages go first."""
 
     keeps = "pages"
     donates_prompt = True
 
-    def __init__(self, ctx: Context, ids: SeqIds, page_rows: int, max_cells: int | None = None) -> None:
+    def __init__(self, ctx: Context, ids: SeqIds, page_rows: int, max_cells: int | None = None,
+                 max_cold_cells: int | None = None) -> None:
         if ctx.model.info.carries_state:
             raise ValueError("KV pages cannot restore a recurrent state; this model needs checkpoints")
         if page_rows < 1:
@@ -60,6 +68,7 @@ class PageCache(PrefixCache):
         self.tree = PageTree(page_rows)
         self.chains: dict[int, Chain] = {}
         self.max_cells = ctx.n_ctx if max_cells is None else max_cells
+        self.max_cold_cells = self.max_cells // COLD_SHARE if max_cold_cells is None else max_cold_cells
         self._locks: dict[Session, list[PageNode]] = {}
         self._queried_tokens = 0
         self._hit_tokens = 0
@@ -98,6 +107,7 @@ class PageCache(PrefixCache):
         session.tokens = list(tokens[:n])
         session.shared = n
         self.chains[path[-1].chain_id].hits += 1
+        self.tree.hit(path)
         self._hit_tokens += n
         return n
 
@@ -128,9 +138,7 @@ class PageCache(PrefixCache):
             path += self._add_pages(session, tokens, path, n_pages, chain)
             chain.path = path
         self._share_duplicates(session, path, n_cached)
-        excess = self.held_cells - self.max_cells
-        if excess > 0:
-            self.evict(excess)
+        self._evict_past_caps()
         return chain if chain is None or chain.id in self.chains else None
 
     def _new_chain(self, preview: str) -> Chain:
@@ -179,24 +187,33 @@ class PageCache(PrefixCache):
     # -- eviction -------------------------------------------------------------------------------------
 
     def evict(self, cells: int) -> int:
-        """Give back the pages covering `cells`, unlocked least recently used leaves first."""
+        """Give back the pages covering `cells`: unlocked leaves, cold first, least recently used first."""
         n_pages = -(-cells // self.page_rows)
         return self._evict_lru(lambda evicted: evicted >= n_pages) * self.page_rows
+
+    def _evict_past_caps(self) -> None:
+        """Down to `max_cold_cells` of cold pages, then to `max_cells` in all, as far as locks allow."""
+        cold_pages = self.tree.n_cold - self.max_cold_cells // self.page_rows
+        if cold_pages > 0:
+            self._evict_lru(lambda evicted: evicted >= cold_pages, cold_only=True)
+        excess = self.held_cells - self.max_cells
+        if excess > 0:
+            self.evict(excess)
 
     def free_a_seq_id(self) -> None:
         """Evict pages, LRU tail first, until one holder's sequence id is free again."""
         ids_before = self.ids.free
         self._evict_lru(lambda _: self.ids.free > ids_before)
 
-    def _evict_lru(self, done: Callable[[int], bool]) -> int:
-        heap = self.tree.evictable_leaves()
+    def _evict_lru(self, done: Callable[[int], bool], cold_only: bool = False) -> int:
+        heap = self.tree.evictable_leaves(cold_only)
         evicted = 0
         while heap and not done(evicted):
-            _, _, node = heapq.heappop(heap)
+            node = heapq.heappop(heap)[-1]
             parent = self._evict(node)
             evicted += 1
-            if parent is not None and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            if parent is not None and parent.is_leaf and parent.lock_ref == 0 and not (cold_only and parent.hits):
+                heapq.heappush(heap, eviction_key(parent))
         return evicted
 
     def _evict(self, node: PageNode) -> PageNode | None:

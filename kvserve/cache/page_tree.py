@@ -5,7 +5,10 @@ Invariants:
 - a node's cells carry exactly one cache-owned sequence id, its holder's; a page shared by many
   donations is one node, held once;
 - `lock_ref` counts live sessions reading the page; a locked node and its ancestors are never evicted;
-- eviction takes unlocked leaves, least recently used first, so chains shrink from the tail.
+- eviction takes unlocked leaves, never-attached (cold) before attached (hot), least recently used
+  first within each, so chains shrink from the tail;
+- a hot node's ancestors are hot (they were attached with it), so cold nodes hang below hot ones
+  and every cold node can go without touching a hot one.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class PageNode:
     children: dict[tuple[int, ...], "PageNode"] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    hits: int = 0  # attaches that reused this page
     alive: bool = True
 
     @property
@@ -48,11 +52,17 @@ class PageNode:
         return not self.children
 
 
+def eviction_key(node: PageNode) -> tuple[bool, int, int, PageNode]:
+    """Cold before hot, then least recently used first."""
+    return node.hits > 0, node.last_access, id(node), node
+
+
 class PageTree:
     def __init__(self, page_rows: int) -> None:
         self.page_rows = page_rows
         self.root = PageNode(key=(), parent=None, depth=-1)
         self.n_nodes = 0
+        self.n_cold = 0  # nodes no attach has hit
 
     def pages_of(self, tokens: list[int], n_pages: int) -> Iterator[tuple[int, ...]]:
         rows = self.page_rows
@@ -79,7 +89,13 @@ class PageTree:
         parent.children[key] = node
         holder.n_nodes += 1
         self.n_nodes += 1
+        self.n_cold += 1
         return node
+
+    def hit(self, path: list[PageNode]) -> None:
+        for node in path:
+            self.n_cold -= node.hits == 0
+            node.hits += 1
 
     def remove_leaf(self, node: PageNode) -> None:
         assert node.is_leaf and node.lock_ref == 0 and node.parent is not None
@@ -87,10 +103,12 @@ class PageTree:
         node.alive = False
         node.holder.n_nodes -= 1
         self.n_nodes -= 1
+        self.n_cold -= node.hits == 0
 
-    def evictable_leaves(self) -> list[tuple[int, int, PageNode]]:
-        """A heap of (last_access, tiebreak, node) over unlocked leaves."""
-        heap = [(n.last_access, id(n), n) for n in self._all_nodes() if n.is_leaf and n.lock_ref == 0]
+    def evictable_leaves(self, cold_only: bool = False) -> list[tuple[bool, int, int, PageNode]]:
+        """A heap of the unlocked leaves (only the cold ones, if asked) in `eviction_key` order."""
+        heap = [eviction_key(n) for n in self._all_nodes()
+                if n.is_leaf and n.lock_ref == 0 and not (cold_only and n.hits)]
         heapq.heapify(heap)
         return heap
 
