@@ -55,7 +55,9 @@ class Settings(BaseSettings):
     )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
-    prefix_cache_cells: int = Field(4096, ge=0, description="most KV cells the page cache keeps (cold pages cost attention)")
+    prefix_cache_cells: int = Field(
+        4096, ge=0, description="most KV cells the page cache keeps (a quarter for pages not yet reused)"
+    )
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")
     response_store_count: int = Field(1024, ge=0, description="most responses kept for previous_response_id (0: none)")
