@@ -10,6 +10,7 @@ import pytest
 from conftest import engine, greedy
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import FLASH_ATTENTION_TILE_ROWS
+from kvserve.scheduler.batch_plan import Slot, split_into_calls
 from kvserve.scheduler.engine import Engine
 
 CHUNK = 32
@@ -92,3 +93,13 @@ def test_a_step_under_one_tile_stays_one_call(tiny, monkeypatch: pytest.MonkeyPa
     with engine(tiny("llama"), batch_size=512, parallel=8, flash_attn="on") as e:
         prompt_len = FLASH_ATTENTION_TILE_ROWS - STREAMS - 1
         assert decode_then_prompt(e, prompt_len, monkeypatch) == [STREAMS + prompt_len]
+
+
+def test_decodes_of_a_tile_or_more_go_in_calls_under_it() -> None:
+    """70 decoding sequences in one call would take the kernel's tiled path over every cell of all
+    of them: they go as 63 + 7, then the prompt chunk."""
+    decoding = [Slot(None, None, 1) for _ in range(70)]  # only n_tokens is read
+    chunk = Slot(None, None, 200)
+    calls = split_into_calls(decoding, [chunk], FLASH_ATTENTION_TILE_ROWS)
+    assert [len(c) for c in calls] == [63, 7, 1] and calls[-1] == [chunk]
+    assert split_into_calls(decoding, [chunk], None) == [decoding + [chunk]]  # flash attention off
