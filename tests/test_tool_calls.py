@@ -20,6 +20,7 @@ import pydantic
 import pytest
 
 from conftest import serve
+from kvserve.testing import read_metrics
 from test_openai_api import assert_openai_error
 
 MODEL = "any"
@@ -103,9 +104,18 @@ def one_call(url: str, expected_name: str | None = None, **kwargs) -> None:
 FORMATS = ["hermes", "llama3", "generic"]
 
 
+def finishes(url: str) -> dict[str, float]:
+    metrics = read_metrics(url)
+    return {reason: metrics.value("kvserve_request_success_total", finish_reason=reason) for reason in ("stop", "tool_calls")}
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_required_is_one_valid_call(servers: dict[str, str], fmt: str) -> None:
+    """... and /metrics counts both replies (whole and streamed) as finished with tool_calls."""
+    before = finishes(servers[fmt])
     one_call(servers[fmt], tool_choice="required")
+    after = finishes(servers[fmt])
+    assert (after["tool_calls"] - before["tool_calls"], after["stop"] - before["stop"]) == (2, 0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

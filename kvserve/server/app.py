@@ -98,7 +98,8 @@ def _answer(engine: Engine, shape: Shape, streaming: bool, options: StreamOption
     formatter = LogprobFormatter(engine.model)
     include_usage = bool(options and options.include_usage)
     chunks = partial(stream, shape, logprobs=formatter, include_usage=include_usage)
-    return Answer(partial(collect, shape, logprobs=formatter), chunks if streaming else None)
+    return Answer(partial(collect, shape, logprobs=formatter), chunks if streaming else None,
+                  shape.tools.finish_reason if shape.tools else None)
 
 
 def create_app(settings: Settings) -> FastAPI:

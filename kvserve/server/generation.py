@@ -30,6 +30,9 @@ class Answer:
 
     whole: Callable[[Outputs], Awaitable[dict]]
     stream: Callable[[Outputs], AsyncIterator[str]] | None = None  # set when the client asked for SSE
+    # a choice's finish reason as the body says it, from its whole text and the engine's reason
+    # (a tool call turns `stop` into `tool_calls`); None: the engine's
+    finish_reason: Callable[[str, str], str] | None = None
 
 
 def rejected(request: Request, error: APIError) -> APIError:
@@ -62,11 +65,11 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
             raise rejected(request, error) if error.status == 503 else error
         if answer.stream is not None:
             return StreamingResponse(
-                answer.stream(_timed(outputs, timer)),
+                answer.stream(_timed(outputs, timer, answer.finish_reason)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return JSONResponse(await _unless_disconnected(request, answer.whole(_timed(outputs, timer))))
+        return JSONResponse(await _unless_disconnected(request, answer.whole(_timed(outputs, timer, answer.finish_reason))))
     except _ClientGone:
         outputs.close()
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it, logs do
@@ -75,13 +78,20 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
         raise
 
 
-async def _timed(outputs: RequestStream, timer: RequestTimer) -> Outputs:
+async def _timed(outputs: RequestStream, timer: RequestTimer,
+                 finish_reason: Callable[[str, str], str] | None) -> Outputs:
     """The outputs, observed for metrics and logged at the end; the stream is closed however this ends."""
     reasons: list[str] = []
+    texts: dict[int, str] = {}
     try:
         async for output in outputs:
             timer.observe(output)
-            reasons += [d.finish_reason.value for d in output.deltas if d.finish_reason is not None]
+            for d in output.deltas:
+                if finish_reason is not None:
+                    texts[d.index] = texts.get(d.index, "") + d.text
+                if d.finish_reason is not None:
+                    reason = d.finish_reason.value
+                    reasons.append(finish_reason(texts[d.index], reason) if finish_reason else reason)
             if output.usage is not None:
                 _log.info("%s: %d prompt tokens (%d cached), %d generated, finish %s", outputs.request.id,
                           output.usage.prompt_tokens, output.usage.cached_tokens, output.usage.completion_tokens,

@@ -15,6 +15,7 @@ from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.request import FinishReason, RequestOutput
 from kvserve.scheduler.scheduler import StepTimes
 from kvserve.scheduler.snapshot import EngineSnapshot
+from kvserve.tools.parser import TOOL_CALLS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -134,8 +135,8 @@ class Metrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: the memory a soak watches
         # Every label value exists from the start, at 0: a series born at 1 on its first 429 or error
         # is one increase()/rate() cannot see, so the alerts on them would miss it.
-        for reason in FinishReason:
-            self.success.labels(finish_reason=reason.value)
+        for reason in [*(r.value for r in FinishReason), TOOL_CALLS]:
+            self.success.labels(finish_reason=reason)
         for status in ("429", "503"):
             self.rejected.labels(status=status)
         r.register(_EngineCollector(snapshot, times, queue))

@@ -15,6 +15,8 @@ from typing import Generator, Iterable, Union
 from kvserve.tools.formats import ToolFormat
 from kvserve.tools.spec import ToolCall, new_call_id
 
+TOOL_CALLS = "tool_calls"  # the finish reason of a reply that called tools
+
 
 @dataclass(frozen=True)
 class ContentDelta:
@@ -91,7 +93,7 @@ class ToolCallParser:
 
     def finish_reason(self, reason: str) -> str:
         """A reply that stopped after its calls finished for them."""
-        return "tool_calls" if self._calls and reason == "stop" else reason
+        return TOOL_CALLS if self._calls and reason == "stop" else reason
 
     def feed(self, text: str) -> list[ToolEvent]:
         for ch in text:

@@ -64,7 +64,8 @@ async def create_response(body: CreateResponse, request: Request) -> Response:
             store.put(final, context + [as_input(item) for item in final["output"]])
 
     streamed = partial(_streamed, events, keep) if body.stream else None
-    return await respond(request, engine, job, Answer(partial(_whole, events, keep), streamed))
+    return await respond(request, engine, job, Answer(partial(_whole, events, keep), streamed,
+                                                      tools.finish_reason if tools else None))
 
 
 async def _whole(events: ResponseEvents, keep: Keep, outputs: Outputs) -> dict:
