@@ -18,6 +18,7 @@ import pytest
 
 from conftest import ARCHS, engine, run_traced
 from equality import SMOLLM2_TOLERANCE, TINY_TOLERANCE, TOP, assert_like_alone
+from kvserve.llama.context import Context
 from kvserve.llama.sampler import SamplingParams, TokenLogprobs
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.scheduler import Scheduler
@@ -93,23 +94,18 @@ def test_prompts_joining_decodes_in_a_call_of_their_own_like_alone(tiny, arch: s
     sampling the first before the second overwrites the logits; a parallel limit of 3 makes long
     prompts join while others decode."""
     calls_per_step: list[int] = []
-    real_step, real_init = Scheduler.step, Scheduler.__init__
+    real_step, real_decode = Scheduler.step, Context.decode
 
     def counting_step(self: Scheduler):
         calls_per_step.append(0)
         return real_step(self)
 
-    def counting_init(self: Scheduler, pool, *args) -> None:
-        real_init(self, pool, *args)
-        real_decode = pool.ctx.decode
-
-        def decode(batch) -> None:
-            calls_per_step[-1] += 1
-            real_decode(batch)
-        monkeypatch.setattr(pool.ctx, "decode", decode)
+    def counting_decode(self: Context, batch) -> None:
+        calls_per_step[-1] += 1
+        real_decode(self, batch)
 
     monkeypatch.setattr(Scheduler, "step", counting_step)
-    monkeypatch.setattr(Scheduler, "__init__", counting_init)
+    monkeypatch.setattr(Context, "decode", counting_decode)
     alone, together = alone_and_together(tiny(arch), 16, LONG_PROMPTS, parallel=3, flash_attn="on")
     assert max(calls_per_step) == 2
     assert_all_like_alone(alone, together, "on")

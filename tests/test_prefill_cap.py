@@ -12,6 +12,7 @@ from kvserve.llama.batch import Batch
 from kvserve.llama.context import FLASH_ATTENTION_TILE_ROWS
 from kvserve.scheduler.batch_plan import Slot, split_into_calls
 from kvserve.scheduler.engine import Engine
+from kvserve.scheduler.request import Request
 
 CHUNK = 32
 STREAMS = 4
@@ -30,16 +31,27 @@ def batch_sizes(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
+def prompt_of(n_tokens: int) -> list[int]:
+    """A prompt of `n_tokens` tokens that shares nothing with the streams'."""
+    return [1] + [(7 * j) % 300 + 5 for j in range(n_tokens - 1)]
+
+
+def decoding_streams(e: Engine, max_tokens: int, generated: int) -> list[Request]:
+    """STREAMS requests, stepped until each has generated `generated` tokens."""
+    streams = [greedy(e.model.tokenize(f"Stream {i} says", add_special=True), max_tokens=max_tokens, ignore_eos=True)
+               for i in range(STREAMS)]
+    for request in streams:
+        e.scheduler.submit(request)
+    while not all(r.choices and r.choices[0].n_generated >= generated for r in streams):
+        e.scheduler.step()
+    return streams
+
+
 def test_a_long_prompt_never_holds_up_running_streams(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     with engine(tiny("llama"), batch_size=512, prefill_chunk=CHUNK, parallel=8) as e:
         sizes = batch_sizes(e, monkeypatch)
-        streams = [greedy(e.model.tokenize(f"Stream {i} says", add_special=True), max_tokens=400, ignore_eos=True)
-                   for i in range(STREAMS)]
-        for request in streams:
-            e.scheduler.submit(request)
-        while not all(r.choices and r.choices[0].n_generated >= 2 for r in streams):
-            e.scheduler.step()
-        long_prompt = greedy([1] + [(7 * j) % 300 + 5 for j in range(400)], max_tokens=3)
+        streams = decoding_streams(e, max_tokens=400, generated=2)
+        long_prompt = greedy(prompt_of(401), max_tokens=3)
         e.scheduler.submit(long_prompt)
         sizes.clear()
         generated = [r.choices[0].n_generated for r in streams]
@@ -59,7 +71,7 @@ def test_a_long_prompt_never_holds_up_running_streams(tiny, monkeypatch: pytest.
 def test_with_nothing_decoding_a_prompt_takes_the_whole_budget(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     with engine(tiny("llama"), batch_size=512, prefill_chunk=CHUNK) as e:
         sizes = batch_sizes(e, monkeypatch)
-        request = greedy([1] + [(7 * j) % 300 + 5 for j in range(400)], max_tokens=2)
+        request = greedy(prompt_of(401), max_tokens=2)
         e.scheduler.submit(request)
         while e.scheduler.has_work():
             e.scheduler.step()
@@ -68,14 +80,9 @@ def test_with_nothing_decoding_a_prompt_takes_the_whole_budget(tiny, monkeypatch
 
 def decode_then_prompt(e: Engine, prompt_len: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The calls of the step in which a `prompt_len`-token prompt meets STREAMS decoding streams."""
-    streams = [greedy(e.model.tokenize(f"Stream {i} says", add_special=True), max_tokens=50, ignore_eos=True)
-               for i in range(STREAMS)]
-    for request in streams:
-        e.scheduler.submit(request)
-    while not all(r.choices and r.choices[0].n_generated >= 1 for r in streams):
-        e.scheduler.step()
+    decoding_streams(e, max_tokens=50, generated=1)
     sizes = batch_sizes(e, monkeypatch)
-    e.scheduler.submit(greedy([1] + [(7 * j) % 300 + 5 for j in range(prompt_len - 1)], max_tokens=1))
+    e.scheduler.submit(greedy(prompt_of(prompt_len), max_tokens=1))
     e.scheduler.step()
     return sizes
 
