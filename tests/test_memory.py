@@ -11,7 +11,7 @@ vocabulary) and 538 chains were still alive at the end.
 from __future__ import annotations
 
 from bench.soak import SoakRun
-from kvserve.cache.page_cache import COLD_SHARE
+from kvserve.cache.page_cache import cold_cap
 from kvserve.testing import ServerProcess, read_metrics
 
 WARMUP = 200
@@ -31,7 +31,7 @@ def test_memory_is_flat_after_warm_up(tiny, tmp_path) -> None:
         run.batch(url, WARMUP, CONCURRENCY)
         # unique prompts fill the cache as far as pages nobody reuses may fill it
         assert read_metrics(url).value("kvserve_prefix_cache_held_pages") * PAGE_ROWS >= \
-            CACHE_CELLS // COLD_SHARE - PAGE_ROWS, "the warm-up did not fill the prefix cache"
+            cold_cap(CACHE_CELLS) - PAGE_ROWS, "the warm-up did not fill the prefix cache"
         run.batch(url, HALF, CONCURRENCY)
         run.batch(url, HALF, CONCURRENCY)
         live = read_metrics(url).value("kvserve_live_sampler_chains")

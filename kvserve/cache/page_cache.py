@@ -17,14 +17,16 @@ from typing import Callable
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import SeqIds, Session
-from kvserve.cache.page_tree import Holder, PageNode, PageTree, eviction_key, tick
+from kvserve.cache.page_tree import Holder, PageNode, PageTree, evictable, eviction_key, tick
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.context import Context
 
 
-# Cold pages may fill this share of the cache: room for every running conversation's newest turn
-# until its next one, too little for one-off prompts to stretch every step's attention.
-COLD_SHARE = 4
+def cold_cap(max_cells: int) -> int:
+    """The cells pages nobody has reused may fill of a `max_cells` cache: a quarter, room for every
+    running conversation's newest turn until its next one, too little for one-off prompts to
+    stretch every step's attention."""
+    return max_cells // 4
 
 
 @dataclass(eq=False)
@@ -68,7 +70,7 @@ class PageCache(PrefixCache):
         self.tree = PageTree(page_rows)
         self.chains: dict[int, Chain] = {}
         self.max_cells = ctx.n_ctx if max_cells is None else max_cells
-        self.max_cold_cells = self.max_cells // COLD_SHARE if max_cold_cells is None else max_cold_cells
+        self.max_cold_cells = cold_cap(self.max_cells) if max_cold_cells is None else max_cold_cells
         self._locks: dict[Session, list[PageNode]] = {}
         self._queried_tokens = 0
         self._hit_tokens = 0
@@ -212,7 +214,7 @@ class PageCache(PrefixCache):
             node = heapq.heappop(heap)[-1]
             parent = self._evict(node)
             evicted += 1
-            if parent is not None and parent.is_leaf and parent.lock_ref == 0 and not (cold_only and parent.hits):
+            if parent is not None and evictable(parent, cold_only):
                 heapq.heappush(heap, eviction_key(parent))
         return evicted
 

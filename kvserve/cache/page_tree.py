@@ -52,6 +52,11 @@ class PageNode:
         return not self.children
 
 
+def evictable(node: PageNode, cold_only: bool = False) -> bool:
+    """An unlocked leaf (a cold one, if `cold_only`)."""
+    return node.is_leaf and node.lock_ref == 0 and not (cold_only and node.hits)
+
+
 def eviction_key(node: PageNode) -> tuple[bool, int, int, PageNode]:
     """Cold before hot, then least recently used first."""
     return node.hits > 0, node.last_access, id(node), node
@@ -107,8 +112,7 @@ class PageTree:
 
     def evictable_leaves(self, cold_only: bool = False) -> list[tuple[bool, int, int, PageNode]]:
         """A heap of the unlocked leaves (only the cold ones, if asked) in `eviction_key` order."""
-        heap = [eviction_key(n) for n in self._all_nodes()
-                if n.is_leaf and n.lock_ref == 0 and not (cold_only and n.hits)]
+        heap = [eviction_key(n) for n in self._all_nodes() if evictable(n, cold_only)]
         heapq.heapify(heap)
         return heap
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -82,16 +83,16 @@ async def _timed(outputs: RequestStream, timer: RequestTimer,
                  finish_reason: Callable[[str, str], str] | None) -> Outputs:
     """The outputs, observed for metrics and logged at the end; the stream is closed however this ends."""
     reasons: list[str] = []
-    texts: dict[int, str] = {}
+    texts: dict[int, list[str]] = defaultdict(list)  # each choice's text so far, where finish_reason reads it
     try:
         async for output in outputs:
             timer.observe(output)
             for d in output.deltas:
                 if finish_reason is not None:
-                    texts[d.index] = texts.get(d.index, "") + d.text
+                    texts[d.index].append(d.text)
                 if d.finish_reason is not None:
                     reason = d.finish_reason.value
-                    reasons.append(finish_reason(texts[d.index], reason) if finish_reason else reason)
+                    reasons.append(finish_reason("".join(texts[d.index]), reason) if finish_reason else reason)
             if output.usage is not None:
                 _log.info("%s: %d prompt tokens (%d cached), %d generated, finish %s", outputs.request.id,
                           output.usage.prompt_tokens, output.usage.cached_tokens, output.usage.completion_tokens,

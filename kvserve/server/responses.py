@@ -139,9 +139,7 @@ def _chat_message(text: str, reason: str | None, tools: ToolPlan | None) -> tupl
     stream, so both agree whatever the split."""
     if tools is None:
         return {"role": "assistant", "content": text}, reason
-    parser = tools.parser()
-    parser.feed(text)
-    parser.finish()
+    parser = tools.read(text)
     calls = parser.calls
     message: dict = {"role": "assistant", "content": parser.content or (None if calls else "")}
     if calls:

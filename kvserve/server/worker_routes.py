@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
-from kvserve.cache.page_cache import COLD_SHARE
+from kvserve.cache.page_cache import cold_cap
 from kvserve.scheduler.engine import Engine, cache_cells
 from kvserve.server import prompts
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -37,6 +37,7 @@ def _engine(request: Request) -> Engine:
 async def server_info(request: Request) -> dict:
     engine = _engine(request)
     s = engine.settings
+    cache_cap = cache_cells(s.prefix_cache_cells, engine.pool.ctx.n_ctx)  # the cap in force
     return {
         "served_model_name": s.served_name,
         "model_path": str(s.model),
@@ -54,9 +55,8 @@ async def server_info(request: Request) -> dict:
             "ctx_size": s.ctx_size,
             "parallel": s.parallel,
             "page_rows": s.page_rows,
-            "prefix_cache_cells": cache_cells(s.prefix_cache_cells, engine.pool.ctx.n_ctx),  # the cap in force
-            # what pages no request has reused yet may fill of it
-            "prefix_cache_cold_cells": cache_cells(s.prefix_cache_cells, engine.pool.ctx.n_ctx) // COLD_SHARE,
+            "prefix_cache_cells": cache_cap,
+            "prefix_cache_cold_cells": cold_cap(cache_cap),  # what pages no request has reused may fill of it
             "prefix_states": s.prefix_states,
             "prefix_state_mb": s.prefix_state_mb,
         },

@@ -50,12 +50,16 @@ class ToolPlan:
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.format, (tool.name for tool in self.callable))
 
-    def finish_reason(self, text: str, reason: str) -> str:
-        """The finish reason of a whole reply `text` that ended with `reason`: `tool_calls` where it called."""
+    def read(self, text: str) -> ToolCallParser:
+        """A parser that has read the whole reply `text`."""
         parser = self.parser()
         parser.feed(text)
         parser.finish()
-        return parser.finish_reason(reason)
+        return parser
+
+    def finish_reason(self, text: str, reason: str) -> str:
+        """The finish reason of a whole reply `text` that ended with `reason`: `tool_calls` where it called."""
+        return self.read(text).finish_reason(reason)
 
 
 def check_tools(tools: list[FunctionTool], choice: ToolChoice) -> None:
