@@ -126,8 +126,7 @@ class Admission:
         return Room.LATER if self.queues.running else Room.NEVER
 
     def _unevaluated_tokens(self) -> int:
-        return sum(c.unevaluated for r in self.queues.running for c in r.choices
-                   if c.finish_reason is None and not c.waits_for_fork)
+        return sum(c.unevaluated for r in self.queues.running for c in r.choices if c.active)
 
     def _start(self, request: Request) -> bool:
         """Give each open choice a session and attach what the cache holds. False: no ids now.

@@ -96,7 +96,7 @@ class BatchPlanner:
         prefilling: list[Slot] = []
         for request in self.queues.running:
             for choice in request.choices:
-                if choice.finish_reason is None and not choice.waits_for_fork:
+                if choice.active:
                     (decoding if choice.unevaluated == 1 else prefilling).append(Slot(request, choice, 1))
         return decoding, prefilling
 

@@ -75,6 +75,11 @@ class Choice:
     def unevaluated(self) -> int:
         return len(self.tokens) - (self.session.n_past if self.session else 0)
 
+    @property
+    def active(self) -> bool:
+        """It takes part in the next step: not finished, and not waiting to fork from choice 0."""
+        return self.finish_reason is None and not self.waits_for_fork
+
     def end(self, reason: FinishReason | None) -> None:
         """Mark the choice finished and free its sampler chain (it samples nothing more)."""
         self.finish_reason = reason
