@@ -15,8 +15,8 @@ import argparse
 
 from bench import attention, cache_cost, checkpoints, compare, prefix, serving, soak, sweep
 
-WORKLOADS = ["shared", "multiturn", "unique", "long"]
-SERVERS = ["kvserve", "llama-server", "llama-cpp-python"]
+WORKLOADS = ["shared", "multiturn", "unique", "long", "conversations"]
+SERVERS = ["kvserve", "llama-server", "llama-server-defaults", "llama-cpp-python"]
 SUITES = ["compare", "sweep", "cache-cost", "attention", "serving", "prefix", "checkpoints", "soak"]
 
 

@@ -31,11 +31,12 @@ WARM_UP = [{"role": "user", "content": "Say hello."}]
 
 
 def all_workloads(quick: bool) -> list[Workload]:
-    """The four workloads; quick: the fewest rounds that still exercise each (a smoke run)."""
+    """The five workloads; quick: the fewest rounds that still exercise each (a smoke run)."""
     if quick:
         return [workloads.shared(rounds=1), workloads.multiturn(rounds=2), workloads.unique("compare", rounds=1),
-                workloads.long("compare")]
-    return [workloads.shared(), workloads.multiturn(), workloads.unique("compare"), workloads.long("compare")]
+                workloads.long("compare"), workloads.conversations(users=16, rounds=2)]
+    return [workloads.shared(), workloads.multiturn(), workloads.unique("compare"), workloads.long("compare"),
+            workloads.conversations()]
 
 
 def end_of_generation_bias(model_path: Path) -> dict[str, float]:
@@ -66,12 +67,14 @@ def main(quick: bool = False, servers: list[str] | None = None, only: list[str] 
     chosen_workloads = [w for w in all_workloads(quick) if only is None or w.name in only]
     max_tokens = 16 if quick else MAX_TOKENS
     extra = {"logit_bias": end_of_generation_bias(setup.model)}
-    rows = [measure(server, workload, max_tokens, extra) for workload in chosen_workloads for server in chosen]
+    rows = [measure(server, workload, max_tokens, extra) for workload in chosen_workloads for server in chosen
+            if server.runs(workload.name)]
     result = {
         "machine": report.machine(),
         "settings": {"model": setup.model.name, "threads": setup.threads, "slots": setup.slots,
                      "ctx_per_request": setup.ctx_per_request, "max_tokens": max_tokens,
-                     "workloads": {w.name: {"users": w.users, "rounds": w.rounds} for w in chosen_workloads}},
+                     "workloads": {w.name: {"users": w.users, "rounds": w.rounds, "at_once": w.at_once or w.users}
+                                   for w in chosen_workloads}},
         "rows": rows,
         "targets": report.targets(rows),
     }

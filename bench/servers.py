@@ -24,10 +24,15 @@ class Server:
     name: str
     command: Callable[[int], list[str]]  # port -> argv
     health: str = "/health"  # answers 200 once the model is loaded
+    only: tuple[str, ...] = ()  # the workloads it runs; () for all of them
+
+    def runs(self, workload: str) -> bool:
+        return not self.only or workload in self.only
 
 
 def contenders(setup: Setup, llama_server: Path) -> list[Server]:
-    """kvserve, llama-server and llama-cpp-python's server, each with its defaults otherwise."""
+    """kvserve, llama-server (with -np as kvserve's slots, and at its defaults) and llama-cpp-python's
+    server, each with its defaults otherwise."""
     model, threads = str(setup.model), str(setup.threads)
     # kvserve and llama-server with -np share one context between their slots; llama-server's
     # splits it evenly, so both get slots x the per-request context
@@ -39,6 +44,11 @@ def contenders(setup: Setup, llama_server: Path) -> list[Server]:
             str(llama_server), "--host", "127.0.0.1", "--port", str(port), "--model", model,
             "--threads", threads, "--threads-batch", threads, "--parallel", str(setup.slots),
             "--ctx-size", total_ctx]),
+        # llama-server as a user first starts it: no -np, no --ctx-size (4 slots in one unified
+        # cache of the model's training context), a second reference where prompts come back
+        Server("llama-server-defaults", lambda port: [
+            str(llama_server), "--host", "127.0.0.1", "--port", str(port), "--model", model,
+            "--threads", threads, "--threads-batch", threads], only=("shared", "conversations")),
         # one request at a time; interrupt_requests off, or each new request cuts the running stream
         Server("llama-cpp-python", lambda port: [
             sys.executable, "-m", "llama_cpp.server", "--host", "127.0.0.1", "--port", str(port),

@@ -23,6 +23,10 @@ class Workload:
     users: int
     rounds: int
     messages: Messages
+    # None: every user at once, each sending its rounds in a row. A number: that many requests in
+    # flight, turn by turn: every user's round r goes before any user's round r + 1, so each user
+    # comes back only after all the others were served.
+    at_once: int | None = None
 
 
 @dataclass
@@ -66,6 +70,29 @@ def multiturn(users: int = 8, rounds: int = 4) -> Workload:
     return Workload("multiturn", users, rounds, messages)
 
 
+def conversations(users: int = 32, rounds: int = 3, at_once: int = 8, words: int = 300) -> Workload:
+    """A chat application's traffic: one system prompt for everyone, each conversation its own pasted
+    document (~`words` words, ~400 tokens) and questions about it; conversations come back in turn."""
+    system = system_prompt()
+    subjects = ["harbour", "orchard", "library", "foundry", "observatory", "vineyard", "railway", "mill"]
+
+    def document(u: int) -> str:
+        sentences = [f"Note {i} of file {u}: the {subjects[(u + i) % 8]} logged {(u * 53 + i * 29) % 1009} "
+                     f"items on day {(i * 7 + u) % 31}." for i in range(words // 15)]
+        return " ".join(sentences)
+
+    def question(u: int, t: int) -> dict:
+        text = f"In file {u}, what was logged on day {(t * 11 + u) % 31}?"
+        return {"role": "user", "content": f"Here is my file:\n{document(u)}\n\n{text}" if t == 0 else text}
+
+    def messages(u: int, r: int, answers: list[str]) -> list[dict]:
+        history = [m for t, answer in enumerate(answers)
+                   for m in (question(u, t), {"role": "assistant", "content": answer})]
+        return [{"role": "system", "content": system}, *history, question(u, r)]
+
+    return Workload("conversations", users, rounds, messages, at_once)
+
+
 def unique(salt: str, users: int = 8, rounds: int = 2, sentences: int = 40) -> Workload:
     """Prompts of `sentences` sentences (12 to 16 tokens each, by salt: 40 make ~490 to 650 tokens)
     that share nothing with each other, nor with another salt's."""
@@ -85,7 +112,10 @@ def long(salt: str, users: int = 2, rounds: int = 1, lines: int = 114) -> Worklo
 
 
 async def run(url: str, workload: Workload, max_tokens: int, extra: dict | None = None) -> Run:
-    """All users at once; each sends its rounds one after another, keeping its answers."""
+    """Each user sends its rounds one after another, keeping its answers: all users at once, or
+    `workload.at_once` requests at a time, turn by turn."""
+    if workload.at_once is not None:
+        return await _run_in_turns(url, workload, max_tokens, extra)
     # a fresh connection per request: a pooled one the server has timed out fails the request
     # (llama-server closes idle keep-alive connections after a few seconds), and on loopback
     # connecting costs nothing next to a request
@@ -105,3 +135,23 @@ async def run(url: str, workload: Workload, max_tokens: int, extra: dict | None 
 
 def run_sync(url: str, workload: Workload, max_tokens: int, extra: dict | None = None) -> Run:
     return asyncio.run(run(url, workload, max_tokens, extra))
+
+
+async def _run_in_turns(url: str, workload: Workload, max_tokens: int, extra: dict | None) -> Run:
+    """`at_once` workers take (user, round) in turn order; a user's round waits for its previous one."""
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+    order = iter([(u, r) for r in range(workload.rounds) for u in range(workload.users)])
+    per_user: list[list[Result]] = [[] for _ in range(workload.users)]
+    done = {(u, r): asyncio.Event() for u in range(workload.users) for r in range(workload.rounds)}
+    async with httpx.AsyncClient(limits=limits) as client:
+        async def worker() -> None:
+            for u, r in order:
+                if r:
+                    await done[u, r - 1].wait()
+                messages = workload.messages(u, r, [x.text for x in per_user[u]])
+                per_user[u].append(await stream_chat(client, url, messages, max_tokens, extra))
+                done[u, r].set()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(workload.at_once)))
+        return Run(per_user, time.perf_counter() - started)

@@ -55,6 +55,37 @@ def test_multiturn_carries_the_earlier_answers() -> None:
     assert messages[1] == workloads.multiturn().messages(3, 0, [])[1]  # earlier questions resent unchanged
 
 
+def test_conversations_paste_a_document_each_and_come_back_turn_by_turn(tokens) -> None:
+    chat = workloads.conversations()
+    assert (chat.users, chat.rounds, chat.at_once) == (32, 3, 8)
+    first = [chat.messages(u, 0, [])[1]["content"] for u in range(chat.users)]
+    assert len({chat.messages(u, 0, [])[0]["content"] for u in range(chat.users)}) == 1  # one system prompt
+    assert all(350 <= tokens(text) <= 550 for text in first)  # each its own ~300-word document
+    assert len({text[:60] for text in first}) == chat.users
+    later = chat.messages(5, 2, ["a1", "a2"])
+    assert [m["role"] for m in later] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert later[1]["content"] == first[5] and len(later[-1]["content"]) < 100  # the document is pasted once
+
+    # turn by turn: every conversation's turn r is sent before any conversation's turn r + 1
+    sent: list[tuple[int, int]] = []  # (turn, conversation)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        messages = json.loads(request.content)["messages"]
+        sent.append(((len(messages) - 2) // 2, int(messages[-1]["content"].rsplit("In file ", 1)[1].split(",")[0])))
+        return httpx.Response(200, content=sse(delta("ok")))
+
+    small = workloads.conversations(users=5, rounds=3, at_once=2)
+    with pytest.MonkeyPatch.context() as patch:
+        transport = httpx.MockTransport(answer)
+        real = httpx.AsyncClient
+        patch.setattr(workloads.httpx, "AsyncClient", lambda **kw: real(transport=transport))
+        run = workloads.run_sync("http://test", small, 4)
+    assert [turn for turn, _ in sent] == [0] * 5 + [1] * 5 + [2] * 5
+    assert sorted(sent) == [(t, u) for t in range(3) for u in range(5)]
+    assert [len(r) for r in run.per_user] == [3] * 5 and all(x.text == "ok" for x in run.results)
+    assert small.messages(0, 1, ["ok"])[2] == {"role": "assistant", "content": "ok"}
+
+
 def sse(*chunks: dict) -> bytes:
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
 
@@ -113,6 +144,11 @@ def test_targets_are_ratios_to_llama_server_from_the_same_run() -> None:
                    "shared: TTFT p95 ≤ 0.2x llama-server": (0.5, False),
                    "unique: output tok/s ≥ 1x llama-server": (0.9, False),
                    "unique: ITL p95 ≤ 1x llama-server": (1.0, True)}  # no multiturn/long rows: no targets
+    rows += [row("kvserve", "conversations", 30.0, 1.0, 90), row("llama-server", "conversations", 15.0, 2.0, 50),
+             row("llama-server-defaults", "conversations", 25.0, 2.0, 50)]
+    got = {t["target"]: (round(t["ratio"], 3), t["met"]) for t in targets(rows)}
+    assert got["conversations: output tok/s ≥ 1.5x llama-server"] == (2.0, True)
+    assert got["conversations: output tok/s ≥ 1.5x llama-server-defaults"] == (1.2, False)
     settings = {"model": "m.gguf", "threads": 2, "slots": 8, "ctx_per_request": 4096, "max_tokens": 64}
     text = markdown({"machine": MACHINE, "settings": settings, "rows": rows, "targets": targets(rows)})
     assert "| shared | llama-cpp-python |" in text and "not reported" in text and "90 / 100 (90%)" in text
@@ -134,6 +170,11 @@ def test_every_server_gets_the_same_model_threads_and_context() -> None:
     assert flag("kvserve", "--parallel") == flag("llama-server", "--parallel") == "8"
     assert flag("llama-cpp-python", "--n_ctx") == "4096"  # one request at a time
     assert flag("llama-cpp-python", "--interrupt_requests") == "False"
+    # the second reference is llama-server as it first starts: no slots or context given
+    defaults = next(s for s in contenders(setup, Path("/bin/llama-server")) if s.name == "llama-server-defaults")
+    assert not {"--parallel", "-np", "--ctx-size", "-c"} & set(argv["llama-server-defaults"])
+    assert flag("llama-server-defaults", "--threads") == "3"
+    assert defaults.runs("conversations") and defaults.runs("shared") and not defaults.runs("unique")
 
 
 def test_multiturn_workload_on_kvserve_reuses_the_conversation(smollm2: Path) -> None:
