@@ -124,6 +124,22 @@ def _swapped_rows(page: KvPage, i: int, j: int) -> KvPage:
     return KvPage(page.start, page.n_rows, tables)
 
 
+def test_cells_out_of_position_order_are_read_in_order(runner: Runner) -> None:
+    """A stream may hold a sequence's cells in any order: restoring a page whose cells come
+    backwards puts them so, and reading them back gives the donor's pages again."""
+    runner.eval(0, _tokens(64, seed=8))
+    pages = runner.state.donate(0, PAGE)
+    backwards = KvPage(PAGE, PAGE, tuple(t[::-1].copy() for t in pages[1].tables))
+    runner.state.attach(1, [pages[0], backwards, *pages[2:]], 64)
+    for first_page in (0, 1, 2):
+        again = runner.state.donate(1, PAGE, first_page)
+        assert [p.start for p in again] == [p.start for p in pages[first_page:]]
+        for mine, theirs in zip(again, pages[first_page:]):
+            assert all(np.array_equal(a, b) for a, b in zip(mine.tables, theirs.tables))
+    first_pos = pages[1].tables[0][:, :4].copy().view(np.int32)[:, 0]
+    assert (np.diff(first_pos) == 1).all() and first_pos[0] == PAGE
+
+
 def _probe(runner: Runner, seq: int, tokens: list[int], pages: list[KvPage], n: int, cut: int) -> np.ndarray | None:
     """The next-token logits with `pages` restored, then again after dropping positions from `cut`
     on (a cut inside a page reads the positions cells carry, which attention alone does not);

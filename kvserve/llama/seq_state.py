@@ -6,7 +6,7 @@ llama.cpp) that `llama_state_seq_get_data` writes for a context whose memory is 
     u32 magic, i32 seq id                                      the header, kept as it is
     one section per KV cache: one, or two for sliding-window (iSWA) models, full layers then SWA layers
       u32 n_stream; per stream: u32 n_cells and, where n_cells > 0 (one stream: this sequence's):
-        per cell, in cell order: i32 pos, u32 n_seq (1), [12-byte ext: M-RoPE/PLE models], i32 seq
+        per cell, in cell order: i32 pos, u32 n_seq (1), [12-byte ext: M-RoPE/PLE models], i32 seq (0 in pages)
         u32 v_trans, u32 n_layer
         per layer: i32 K type, u64 K row bytes, then every cell's K row
         per layer, V as rows: i32 type, u64 row bytes, then every cell's V row
@@ -149,13 +149,14 @@ class SeqState:
 
     # -- out of a sequence --------------------------------------------------------------------------
 
-    def read(self, seq: int) -> SeqRows:
-        """Every cell `seq` holds, as tables in position order."""
-        return self.parse(self.ctx.read_seq_state(seq))
+    def read(self, seq: int, first: int = 0) -> SeqRows:
+        """The cells `seq` holds from position `first` on, as tables in position order."""
+        return self.parse(self.ctx.read_seq_state(seq), first)
 
     def donate(self, seq: int, page_rows: int, first_page: int = 0, n_pages: int | None = None) -> list[KvPage]:
-        """Pages `first_page ..` of `seq` (as many whole pages as it holds, or `n_pages`)."""
-        return self.cut(self.read(seq), page_rows, first_page, n_pages)
+        """Pages `first_page ..` of `seq` (as many whole pages as it holds, or `n_pages`); only
+        their rows are copied out of the blob."""
+        return self.cut(self.read(seq, first_page * page_rows), page_rows, first_page, n_pages)
 
     def cut(self, rows: SeqRows, page_rows: int, first_page: int = 0, n_pages: int | None = None) -> list[KvPage]:
         if page_rows < 1:
@@ -164,6 +165,8 @@ class SeqState:
         last = whole if n_pages is None else first_page + n_pages
         if not 0 <= first_page <= last <= whole:
             raise ValueError(f"pages {first_page}..{last} exceed the {whole} whole pages held")
+        if rows.tables and first_page * page_rows < rows.tables[0][0]:
+            raise ValueError("those rows were not read")
         return [self._page(rows, i * page_rows, page_rows) for i in range(first_page, last)]
 
     @staticmethod
@@ -175,26 +178,34 @@ class SeqState:
             tables.append(table[lo:hi].copy())
         return KvPage(start, n, tuple(tables))
 
-    def parse(self, blob: np.ndarray) -> SeqRows:
+    def parse(self, blob: np.ndarray, first: int = 0) -> SeqRows:
+        """A blob's cells from position `first` on (all of them while the layout is being learned)."""
         learning = self._layout is None
         reader = _Reader(blob)
         header = reader.take(_HEADER_BYTES)
         if int(header[:4].view(np.uint32)[0]) != _MAGIC:
             raise StateFormatError("not a sequence state blob (magic)")
-        sections, found = [], []
+        sections: list[_Section] = []
+        cells: list[_Cells] = []
         while reader.at < blob.size:
             index = len(sections)
             known = self._layout[index] if self._layout and index < len(self._layout) else None
-            section, stream, table = self._read_section(reader, known, index)
+            section, found = self._read_section(reader, known, index, 0 if learning else first)
             sections.append(section)
-            found.append((stream, table))
+            cells.append(found)
         self._check_sections(sections)
-        if learning and all(len(t) for _, t in found):
-            self._layout, self._header = tuple(sections), header.tobytes()
-            if not np.array_equal(self._write(found, header.tobytes()), blob):
-                self._layout = None
-                raise StateFormatError("the state layout read does not write back byte for byte")
-        return self._in_order(sections, [t for _, t in found])
+        if learning and all(len(c.table) for c in cells):
+            self._learn(tuple(sections), header.tobytes(), blob, cells)
+        for section, found in zip(sections, cells):  # llama.cpp reads the donor's id and ignores it
+            found.table[:, section.meta_bytes - 4 : section.meta_bytes] = 0
+        return self._rows(sections, cells)
+
+    def _learn(self, layout: tuple[_Section, ...], header: bytes, blob: np.ndarray, cells: list[_Cells]) -> None:
+        """Take `layout` once writing the cells back in their order gives the blob byte for byte."""
+        self._layout, self._header = layout, header
+        if not np.array_equal(self._write([(c.stream, c.as_written()) for c in cells], header), blob):
+            self._layout = None
+            raise StateFormatError("the state layout read does not write back byte for byte")
 
     def _check_sections(self, sections: list[_Section]) -> None:
         if len(sections) not in (1, 2) or (len(sections) == 2 and not self.n_swa):
@@ -202,100 +213,50 @@ class SeqState:
         if self._layout is not None and len(sections) != len(self._layout):
             raise StateFormatError("the section count changed")
 
-    def _read_section(self, reader: _Reader, known: _Section | None, index: int) -> tuple[_Section, int, np.ndarray]:
+    def _read_section(self, reader: _Reader, known: _Section | None, index: int, first: int) -> tuple[_Section, _Cells]:
         n_stream = reader.u32()
-        counts = [0] * n_stream
-        stream, table, section = 0, np.empty((0, 0), np.uint8), known
+        found, section, seen = _Cells.empty(), known, False
         for s in range(n_stream):
-            counts[s] = reader.u32()
-            if counts[s]:
-                if any(counts[:s]):
+            n = reader.u32()
+            if n:
+                if seen:
                     raise StateFormatError("a sequence's cells in two streams")
-                stream = s
-                section, table = self._read_cells(reader, counts[s], known, n_stream, index)
+                seen = True
+                section = known if known is not None and known.blocks else self._read_layout(reader, n, n_stream, index)
+                found = _read_cells(reader, n, section, s, first)
         if section is None:  # no cell to learn the layout from
             section = _Section(n_stream, 0, b"", (), sliding=index == 1)
         if section.n_stream != n_stream:
             raise StateFormatError("the stream count changed")
-        return section, stream, table
+        return section, found
 
-    def _read_cells(self, reader: _Reader, n: int, known: _Section | None, n_stream: int,
-                    index: int) -> tuple[_Section, np.ndarray]:
-        if known is not None and known.blocks:
-            return known, self._read_table(reader, n, known)
+    @staticmethod
+    def _read_layout(reader: _Reader, n: int, n_stream: int, index: int) -> _Section:
+        """The layout of the cells at the reader (which stays where it was), trying each metadata size."""
         start = reader.at
         for meta_bytes in (_CELL_BYTES, _CELL_BYTES + _EXT_BYTES):
             reader.at = start
             try:
-                section = self._read_layout(reader, n, n_stream, meta_bytes, index)
-                reader.at = start
-                return section, self._read_table(reader, n, section)
+                return _read_blocks(reader, n, n_stream, meta_bytes, index)
             except StateFormatError:
                 continue
+            finally:
+                reader.at = start
         raise StateFormatError("unrecognized cell layout")
 
-    @staticmethod
-    def _read_layout(reader: _Reader, n: int, n_stream: int, meta_bytes: int, index: int) -> _Section:
-        meta = reader.take(n * meta_bytes).view(np.int32).reshape(n, meta_bytes // 4)
-        if not (meta[:, 1] == 1).all():
-            raise StateFormatError("a cell with other than one sequence")
-        data_head = reader.take(8)
-        v_trans, n_layer = (int(x) for x in data_head.view(np.uint32))
-        if v_trans > 1 or not 0 <= n_layer <= 4096:
-            raise StateFormatError("bad layer header")
-        blocks = []
-        for i in range(2 * n_layer):
-            head = reader.take(_BLOCK_HEAD_BYTES)
-            kind = int(head[:4].view(np.int32)[0])
-            transposed = v_trans and i >= n_layer
-            if transposed:
-                el, n_embd = (int(x) for x in head[4:].view(np.uint32))
-                block = _Block(head.tobytes(), el * n_embd, n_embd)
-                reader.take(n * el * n_embd)
-            else:
-                block = _Block(head.tobytes(), int(head[4:].view(np.uint64)[0]))
-                reader.take(n * block.row_bytes)
-            if not 0 <= kind < _MAX_GGML_TYPE or block.row_bytes <= 0:
-                raise StateFormatError("bad K/V block header")
-            blocks.append(block)
-        return _Section(n_stream, meta_bytes, data_head.tobytes(), tuple(blocks), sliding=index == 1)
-
-    @staticmethod
-    def _read_table(reader: _Reader, n: int, section: _Section) -> np.ndarray:
-        table = np.empty((n, section.width), np.uint8)
-        table[:, : section.meta_bytes] = reader.take(n * section.meta_bytes).reshape(n, section.meta_bytes)
-        if reader.take(len(section.data_head)).tobytes() != section.data_head:
-            raise StateFormatError("the layer header changed")
-        col = section.meta_bytes
-        for block in section.blocks:
-            if reader.take(_BLOCK_HEAD_BYTES).tobytes() != block.head:
-                raise StateFormatError("a K/V type or row size changed")
-            data = reader.take(n * block.row_bytes)
-            _block_view(table, col, block)[...] = _as_cells(data, n, block)
-            col += block.row_bytes
-        return table
-
-    def _in_order(self, sections: list[_Section], tables: list[np.ndarray]) -> SeqRows:
-        out, length = [], 0
-        for section, table in zip(sections, tables):
-            if len(table):
-                positions = table[:, :4].copy().view(np.int32)[:, 0]
-                if not (positions[1:] > positions[:-1]).all():
-                    order = np.argsort(positions, kind="stable")
-                    table, positions = table[order], positions[order]
-                first = int(positions[0])
-                if positions[-1] - first + 1 != len(table):
-                    raise StateFormatError("a sequence with a hole in its positions")
-            else:
-                first = length
+    def _rows(self, sections: list[_Section], cells: list[_Cells]) -> SeqRows:
+        """Check what a sequence holds: full layers 0..L-1, sliding-window layers a run ending at L-1."""
+        tables, length = [], 0
+        for section, found in zip(sections, cells):
+            lo, hi = found.span
             if not section.sliding:
-                if len(table) and first != 0:
+                if hi > lo and lo != 0:
                     raise StateFormatError("a sequence that does not start at position 0")
-                length = len(table)
-            elif first + len(table) != length:
+                length = hi
+            elif hi > lo and hi != length:
                 raise StateFormatError("sliding-window rows that are not the sequence's last ones")
-            out.append((first, table))
-        return SeqRows(length, tuple(out))
+            tables.append((found.first if len(found.table) else max(found.first, length), found.table))
+        return SeqRows(length, tuple(tables))
 
     # -- into a sequence ----------------------------------------------------------------------------
 
@@ -394,6 +355,73 @@ def _write_section(out: np.ndarray, at: int, section: _Section, stream: int, tab
     tail = counts[2 + stream :].view(np.uint8)
     out[at : at + tail.size] = tail
     return at + tail.size
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """One section's cells as read: `table` holds those from position `first` on, in position order;
+    `span` is [lowest, highest + 1) of all of them; `order` sorted the cells as written."""
+
+    stream: int
+    span: tuple[int, int]
+    first: int
+    table: np.ndarray
+    order: np.ndarray
+
+    @staticmethod
+    def empty() -> "_Cells":
+        return _Cells(0, (0, 0), 0, np.empty((0, 0), np.uint8), np.empty(0, np.intp))
+
+    def as_written(self) -> np.ndarray:
+        return self.table[np.argsort(self.order)]
+
+
+def _read_blocks(reader: _Reader, n: int, n_stream: int, meta_bytes: int, index: int) -> _Section:
+    meta = reader.take(n * meta_bytes).view(np.int32).reshape(n, meta_bytes // 4)
+    if not (meta[:, 1] == 1).all():
+        raise StateFormatError("a cell with other than one sequence")
+    data_head = reader.take(8)
+    v_trans, n_layer = (int(x) for x in data_head.view(np.uint32))
+    if v_trans > 1 or not 0 <= n_layer <= 4096:
+        raise StateFormatError("bad layer header")
+    blocks = []
+    for i in range(2 * n_layer):
+        head = reader.take(_BLOCK_HEAD_BYTES)
+        kind = int(head[:4].view(np.int32)[0])
+        if v_trans and i >= n_layer:
+            el, n_embd = (int(x) for x in head[4:].view(np.uint32))
+            block = _Block(head.tobytes(), el * n_embd, n_embd)
+        else:
+            block = _Block(head.tobytes(), int(head[4:].view(np.uint64)[0]))
+        if not 0 <= kind < _MAX_GGML_TYPE or block.row_bytes <= 0:
+            raise StateFormatError("bad K/V block header")
+        reader.take(n * block.row_bytes)
+        blocks.append(block)
+    return _Section(n_stream, meta_bytes, data_head.tobytes(), tuple(blocks), sliding=index == 1)
+
+
+def _read_cells(reader: _Reader, n: int, section: _Section, stream: int, first: int) -> _Cells:
+    """The cells at the reader, those from position `first` on copied into a table in position order."""
+    meta = reader.take(n * section.meta_bytes).reshape(n, section.meta_bytes)
+    positions = meta.view(np.int32)[:, 0]
+    order = np.argsort(positions, kind="stable")
+    ranked = positions[order]
+    span = (int(ranked[0]), int(ranked[-1]) + 1)
+    if span[1] - span[0] != n or (n > 1 and not (ranked[1:] > ranked[:-1]).all()):
+        raise StateFormatError("a sequence with a hole in its positions")
+    skip = min(max(first - span[0], 0), n)
+    keep: slice | np.ndarray = slice(skip, n) if (order[skip:] == np.arange(skip, n)).all() else order[skip:]
+    table = np.empty((n - skip, section.width), np.uint8)
+    table[:, : section.meta_bytes] = meta[keep]
+    if reader.take(len(section.data_head)).tobytes() != section.data_head:
+        raise StateFormatError("the layer header changed")
+    col = section.meta_bytes
+    for block in section.blocks:
+        if reader.take(_BLOCK_HEAD_BYTES).tobytes() != block.head:
+            raise StateFormatError("a K/V type or row size changed")
+        _block_view(table, col, block)[...] = _as_cells(reader.take(n * block.row_bytes), n, block)[keep]
+        col += block.row_bytes
+    return _Cells(stream, span, span[0] + skip, table, order[skip:])
 
 
 def _rows(page: KvPage, section: int, first: int, n: int) -> np.ndarray:
