@@ -86,7 +86,7 @@ class _Section:
         return 4 + 4 * self.n_stream + len(self.data_head) + _BLOCK_HEAD_BYTES * len(self.blocks) + n_cells * self.width
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KvPage:
     """Rows of positions [start, start + n_rows), all layers: per section, a table whose rows are the
     last `len(table)` of those positions in order (all of them, except sliding-window rows gone)."""
@@ -132,7 +132,8 @@ class _Reader:
 
 
 class SeqState:
-    """Reads, cuts, joins and loads the KV rows of `ctx`'s sequences. One thread, like the context."""
+    """Reads, cuts, joins and loads the KV rows of `ctx`'s sequences: keep one per context (it learns the
+    layout from the first sequence it reads, and joins only pages it cut). One thread, like the context."""
 
     def __init__(self, ctx: Context) -> None:
         if ctx.model.info.carries_state:
