@@ -16,6 +16,7 @@ python -m bench host-tier  -> bench/results/host_tier.{json,md}
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -88,18 +89,32 @@ def main(model_path: Path | None = None, threads: int = 2, out: Path = RESULTS) 
     model = Model(model_path or embedded_model_path())
     rows = [measure(model, n, threads) for n in LENGTHS]
     model.close()
-    result = {"machine": machine(), "settings": {"page_rows": PAGE_ROWS, "threads": threads}, "rows": rows}
+    result = {"machine": machine(), "model": model_path.name if model_path else "SmolLM2-135M",
+              "load_average": os.getloadavg()[0],
+              "settings": {"page_rows": PAGE_ROWS, "threads": threads}, "rows": rows}
     out.mkdir(exist_ok=True)
     (out / "host_tier.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = markdown(result)
+    (out / "host_tier.md").write_text(text + "\n")
+    return text
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
     table = markdown_table(
-        ["tokens", "µs/tok, wall (CPU)", "prefill", "donate", "attach", "llama get", "llama set", "attach / prefill",
-         "host bytes/tok", "KV row bytes", "ratio"],
-        [[r["tokens"], "", *(_both(r, k) for k in ("prefill", "donate", "attach", "llama_get", "llama_set")),
+        ["tokens", "prefill", "donate", "attach", "llama get", "llama set", "attach / prefill", "host bytes/tok",
+         "KV row bytes", "ratio"],
+        [[r["tokens"], *(_both(r, k) for k in ("prefill", "donate", "attach", "llama_get", "llama_set")),
           f"{r['attach_us'] / r['prefill_us']:.2%} ({r['attach_cpu_us'] / r['prefill_cpu_us']:.2%})",
           r["host_bytes_per_token"], r["row_bytes"], f"{r['host_bytes_per_token'] / r['row_bytes']:.4f}"]
          for r in rows])
-    markdown = (f"{describe_machine(result['machine'])}; {model_path.name if model_path else 'SmolLM2-135M'}, a stream "
-                f"per sequence, flash attention {'on' if rows[0]['flash_attn'] else 'off'}, pages of {PAGE_ROWS} "
-                f"tokens, {threads} threads, best of {REPEATS} (prefill: of 2).\n\n{table}")
-    (out / "host_tier.md").write_text(markdown + "\n")
-    return markdown
+    return (f"{describe_machine(result['machine'])}; {result.get('model', 'SmolLM2-135M')}, a stream per sequence, "
+            f"flash attention {'on' if rows[0]['flash_attn'] else 'off'}, pages of {result['settings']['page_rows']} "
+            f"tokens, {result['settings']['threads']} threads, best of {REPEATS} (prefill: of 2). Times in µs per "
+            f"token, wall-clock (CPU time){_load(result)}.\n\n{table}")
+
+
+def _load(result: dict) -> str:
+    """Other processes' share of the machine shows in wall-clock times, hardly in CPU times."""
+    load = result.get("load_average")
+    return "" if load is None else f"; load average {load:.1f} when it ended"
