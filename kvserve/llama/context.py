@@ -146,14 +146,29 @@ class Context:
         return llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, self.state_flags())
 
     def save_state(self, seq: int) -> bytes:
-        flags = self.state_flags()
-        size = self.state_size(seq)
-        buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data_ext(self._ptr, buf, size, seq, flags)
-        return bytes(buf[:written])
+        return self.read_seq_state(seq, self.state_flags()).tobytes()
 
     def load_state(self, seq: int, blob: bytes) -> None:
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        read = llama_cpp.llama_state_seq_set_data_ext(self._ptr, buf, len(blob), seq, self.state_flags())
-        if read != len(blob):
-            raise RuntimeError(f"llama.cpp restored {read} of {len(blob)} state bytes for seq {seq}")
+        self.write_seq_state(seq, blob, self.state_flags())
+
+    # -- state: a sequence's memory as llama.cpp serializes it (kvserve.llama.seq_state reads it) -----
+
+    def read_seq_state(self, seq: int, flags: int = 0) -> np.ndarray:
+        """`seq`'s state blob (`flags`: llama_state_seq_flags), in a buffer of its own."""
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, flags)
+        buf = np.empty(size, dtype=np.uint8)
+        written = llama_cpp.llama_state_seq_get_data_ext(self._ptr, _u8_pointer(buf), size, seq, flags)
+        if written != size:
+            raise RuntimeError(f"llama.cpp wrote {written} of {size} state bytes for seq {seq}")
+        return buf
+
+    def write_seq_state(self, seq: int, blob: np.ndarray | bytes, flags: int = 0) -> None:
+        """Replace `seq`'s memory with `blob`. Raises when llama.cpp refuses it (`seq` is empty then)."""
+        buf = np.frombuffer(blob, dtype=np.uint8)
+        read = llama_cpp.llama_state_seq_set_data_ext(self._ptr, _u8_pointer(buf), buf.size, seq, flags)
+        if read != buf.size:
+            raise RuntimeError(f"llama.cpp restored {read} of {buf.size} state bytes for seq {seq}")
+
+
+def _u8_pointer(buf: np.ndarray) -> "ctypes._Pointer[ctypes.c_uint8]":
+    return buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
