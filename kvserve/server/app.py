@@ -88,7 +88,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = _engine(request)
     prompt = await asyncio.to_thread(prompts.completion_prompt, engine.model, body)
     params = prompts.sampling_params(engine.model, body, None)
-    job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl")
+    job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl", "prompt")
     return await respond(request, engine, job, _answer(engine, Shape(False, engine.settings.served_name, job),
                                                         body.stream, body.stream_options))
 
@@ -98,8 +98,7 @@ def _answer(engine: Engine, shape: Shape, streaming: bool, options: StreamOption
     formatter = LogprobFormatter(engine.model)
     include_usage = bool(options and options.include_usage)
     chunks = partial(stream, shape, logprobs=formatter, include_usage=include_usage)
-    return Answer(partial(collect, shape, logprobs=formatter), chunks if streaming else None,
-                  shape.tools.finish_reason if shape.tools else None)
+    return Answer(partial(collect, shape, logprobs=formatter), chunks if streaming else None, shape.finish_reasons)
 
 
 def create_app(settings: Settings) -> FastAPI:
