@@ -100,6 +100,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None  # with finish STOP: the stop string that ended the text, if one did
 
 
 @dataclass

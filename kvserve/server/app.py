@@ -1,4 +1,5 @@
-"""The HTTP surface: OpenAI endpoints (with and without /v1), health, metrics and cache views."""
+"""The HTTP surface: OpenAI endpoints (with and without /v1), Anthropic's Messages API, health, metrics
+and cache views."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from kvserve.server.logs import log_config
 from kvserve.server.metrics import Metrics
 from kvserve.server.middleware import BodyLimit, RequestId
 from kvserve.server.responses import LogprobFormatter, Shape, collect, stream
+from kvserve.server.messages_api import routes as messages_api
+from kvserve.server.messages_api.schemas import AnthropicErrorResponse
 from kvserve.server.responses_api import routes as responses_api
 from kvserve.server.responses_api.store import ResponseStore
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
@@ -129,6 +132,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(public)
     app.include_router(api)
     app.include_router(responses_api.router, dependencies=[Depends(require_key)], responses=error_responses(401))
+    app.include_router(messages_api.router, dependencies=[Depends(require_key)],
+                       responses=error_responses(401, model=AnthropicErrorResponse))
     guarded = dict(dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
     app.include_router(cache_routes.router, **guarded)
     app.include_router(worker_routes.router, **guarded)
