@@ -22,6 +22,8 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 
 from conftest import serve, served
+from kvserve.scheduler.request import Delta, FinishReason, RequestOutput, Usage
+from kvserve.server.messages_api.events import MessageEvents, MessageHead
 from kvserve.testing import read_metrics
 from test_responses_api import named_events
 
@@ -127,6 +129,34 @@ def test_stream_is_anthropics_event_sequence(client: anthropic.Anthropic, base_u
         final = stream.get_final_message()
     assert (text_of(final), final.stop_reason, final.usage.output_tokens) == (
         text_of(whole), whole.stop_reason, whole.usage.output_tokens)
+
+
+def test_events_of_odd_endings() -> None:
+    """Built from scheduler outputs directly: a reply that said nothing still has a (empty) text
+    block; a length stop short of max_tokens is the context running out; a stop string is named;
+    a decode failure after the start ends the stream with an error event."""
+    def sent(*outputs: RequestOutput) -> tuple[list[dict], MessageEvents]:
+        events = MessageEvents(MessageHead(MODEL, input_tokens=7, max_tokens=10), tools=None)
+        return events.started() + [e for o in outputs for e in events.feed(o)], events
+
+    usage = Usage(prompt_tokens=7, completion_tokens=1, cached_tokens=4, queue_seconds=0.0)
+    empty, events = sent(RequestOutput("r", [Delta(0, "", finish_reason=FinishReason.STOP)], usage=usage))
+    assert shape(empty) == ["message_start", "content_block_start@0", "ping", "content_block_stop@0",
+                            "message_delta", "message_stop"]
+    assert events.message["content"] == [{"type": "text", "text": ""}] and events.message["stop_reason"] == "end_turn"
+    assert events.message["usage"] == {"input_tokens": 3, "output_tokens": 1, "cache_read_input_tokens": 4,
+                                       "cache_creation_input_tokens": 0}
+    _, events = sent(RequestOutput("r", [Delta(0, "Hi", finish_reason=FinishReason.LENGTH)], usage=usage))
+    assert events.message["stop_reason"] == "model_context_window_exceeded"
+    _, events = sent(RequestOutput("r", [Delta(0, "Hi", finish_reason=FinishReason.STOP, stop_sequence="!")],
+                                   usage=usage))
+    assert (events.message["stop_reason"], events.message["stop_sequence"]) == ("stop_sequence", "!")
+    failed, _ = sent(RequestOutput("r", [Delta(0, "Hel")]), RequestOutput("r", [], error="llama_decode failed"))
+    assert shape(failed) == ["message_start", "content_block_start@0", "ping", "delta:text_delta@0", "error"]
+    assert failed[-1] == {"type": "error", "error": {"type": "api_error", "message": "llama_decode failed"}}
+    for event in failed[:-1]:
+        if event["type"] != "ping":
+            STREAM_EVENT.validate_python(event)
 
 
 # --- tools ---------------------------------------------------------------------------------------
