@@ -63,7 +63,7 @@ class Settings(BaseSettings):
     response_store_count: int = Field(1024, ge=0, description="most responses kept for previous_response_id (0: none)")
     response_store_mb: float = Field(128.0, ge=0, description="byte budget of kept responses, in MiB")
     response_store_ttl: float = Field(3600.0, gt=0, description="seconds a kept response stays retrievable")
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
     api_key_file: Path | None = Field(None, description="file of accepted keys, one per line ('#' comments)")
     metrics_need_key: bool = Field(False, description="/metrics needs the key too (it is public by default)")
     max_queue: int = Field(512, ge=0, description="requests that may wait beyond --parallel running ones; more get 429")

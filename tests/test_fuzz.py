@@ -1,10 +1,11 @@
 """Schemathesis against kvserve's own /openapi.json: generated bodies, valid and invalid, for chat,
-completions, responses (create, retrieve, delete), models, prefix match and the router routes (render,
-tokenize, detokenize). No 5xx,
+completions, responses (create, retrieve, delete), Anthropic's messages (and count_tokens), models,
+prefix match and the router routes (render, tokenize, detokenize). No 5xx,
 and every answer matches the status codes, content types and schemas the document promises
-(errors in the OpenAI shape included). A second pass makes every chat body carry tools (with
-tool_choice, parallel_tool_calls, arbitrary parameter schemas and tool messages as generated) and
-serves them with a Hermes-style template, whose lazy grammar and parser they then reach."""
+(errors in the OpenAI shape, and in Anthropic's under /v1/messages, included). A second pass makes
+every chat and messages body carry tools (with tool choices, parallel calls, arbitrary parameter
+schemas and tool messages or blocks as generated) and serves them with a Hermes-style template,
+whose lazy grammar and parser they then reach."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from conftest import serve
 from kvserve.config import Settings
 from kvserve.server.app import create_app
 
-FUZZED = r"^/(v1/(chat/completions|completions|responses|models|prefix/match)(/render|/\{response_id\})?|tokenize|detokenize)$"
+FUZZED = (r"^/(v1/(chat/completions|completions|responses|models|prefix/match|messages)"
+          r"(/render|/\{response_id\}|/count_tokens)?|tokenize|detokenize)$")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
@@ -35,18 +37,20 @@ schema = schemathesis.openapi.from_dict(DOCUMENT).include(path_regex=FUZZED)
 
 
 def _with_tools_required(document: dict) -> dict:
-    """The document with `tools` in every chat body, and a tool_call_id on every message (the
-    document cannot say that only tool messages need one; most generated tool messages would lack it)."""
+    """The document with `tools` in every chat and messages body, and a tool_call_id on every chat
+    message (the document cannot say that only tool messages need one; most generated tool messages
+    would lack it)."""
     document = copy.deepcopy(document)
     schemas = document["components"]["schemas"]
     schemas["ChatCompletionRequest"]["required"].append("tools")
+    schemas["CreateMessage"]["required"].append("tools")
     schemas["Message"]["required"].append("tool_call_id")
     schemas["Message"]["properties"]["tool_call_id"] = {"type": "string", "minLength": 1}
     return document
 
 
 tool_schema = schemathesis.openapi.from_dict(_with_tools_required(DOCUMENT)).include(
-    path_regex=r"^/v1/chat/completions$")
+    path_regex=r"^/v1/(chat/completions|messages)$")
 
 
 @pytest.fixture(scope="module")

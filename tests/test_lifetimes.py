@@ -65,8 +65,8 @@ def test_stopped_by_a_stop_string(tiny_engine: Engine) -> None:
     request = Request(id="stop", prompt=prompt(e), params=SamplingParams(temperature=0.0), max_tokens=200, n=2,
                       stop_strings=[stop])
     run(e, [request])
-    assert [c.finish_reason for c in request.choices] == [FinishReason.STOP] * 2
-    assert all(c.n_generated < 12 for c in request.choices)
+    assert [c.finish_reason for c in request.state.choices] == [FinishReason.STOP] * 2
+    assert all(c.n_generated < 12 for c in request.state.choices)
     assert live_samplers() == 0
 
 
@@ -94,7 +94,7 @@ def decoding(e: Engine) -> Request:
     """A request that is running and has generated a few tokens (so its chain has sampled)."""
     request = greedy(prompt(e), max_tokens=500, ignore_eos=True)
     e.scheduler.submit(request)
-    step_until(e, lambda _: request.choices and request.choices[0].n_generated >= 3)
+    step_until(e, lambda _: request.state.choices and request.state.choices[0].n_generated >= 3)
     return request
 
 

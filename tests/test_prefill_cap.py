@@ -42,7 +42,7 @@ def decoding_streams(e: Engine, max_tokens: int, generated: int) -> list[Request
                for i in range(STREAMS)]
     for request in streams:
         e.scheduler.submit(request)
-    while not all(r.choices and r.choices[0].n_generated >= generated for r in streams):
+    while not all(r.state.choices and r.state.choices[0].n_generated >= generated for r in streams):
         e.scheduler.step()
     return streams
 
@@ -54,10 +54,10 @@ def test_a_long_prompt_never_holds_up_running_streams(tiny, monkeypatch: pytest.
         long_prompt = greedy(prompt_of(401), max_tokens=3)
         e.scheduler.submit(long_prompt)
         sizes.clear()
-        generated = [r.choices[0].n_generated for r in streams]
-        while not long_prompt.choices or long_prompt.choices[0].n_generated == 0:
+        generated = [r.state.choices[0].n_generated for r in streams]
+        while not long_prompt.state.choices or long_prompt.state.choices[0].n_generated == 0:
             e.scheduler.step()
-            now = [r.choices[0].n_generated for r in streams]
+            now = [r.state.choices[0].n_generated for r in streams]
             assert now == [g + 1 for g in generated], "a running stream missed a step"
             generated = now
         assert len(sizes) >= 400 // CHUNK  # the prompt went in chunks, not in one step

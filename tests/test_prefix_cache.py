@@ -184,12 +184,12 @@ def test_scheduler_attaches_and_matches_scratch(tiny, smollm2, which: str) -> No
     with engine(path) as e:
         first = greedy(prompts[0], max_tokens=6)
         assert run(e, [first])[first.id] == scratch[0]
-        assert first.cached_tokens == 0
+        assert first.state.cached_tokens == 0
         rest = [greedy(p, max_tokens=6) for p in prompts[1:]]
         outs = run(e, rest)
         assert [outs[r.id] for r in rest] == scratch[1:]
         shared = next(i for i, (x, y) in enumerate(zip(prompts[0], prompts[1])) if x != y)
-        assert all(r.cached_tokens == shared // PAGE * PAGE for r in rest)
+        assert all(r.state.cached_tokens == shared // PAGE * PAGE for r in rest)
 
 
 def test_flood_of_distinct_prompts_under_small_context_never_fails(tiny) -> None:

@@ -49,12 +49,10 @@ def create(base_url: str, **body) -> dict:
     return r.json()
 
 
-def stream_events(base_url: str, **body) -> list[dict]:
-    """The SSE events of a streamed response, each checked against its SDK event type; the `event:`
-    line of each must name the type its data carries."""
-    events = []
-    with httpx.stream("POST", f"{base_url}/v1/responses", json={"model": MODEL, "stream": True, **body},
-                      timeout=120) as r:
+def named_events(url: str, body: dict) -> Iterator[dict]:
+    """The SSE events `url` streams for `body`; the `event:` line of each must name the type its
+    data carries (the Responses and Messages APIs' form)."""
+    with httpx.stream("POST", url, json=body, timeout=300) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         name = None
         for line in r.iter_lines():
@@ -63,8 +61,14 @@ def stream_events(base_url: str, **body) -> list[dict]:
             elif line.startswith("data: "):
                 event = json.loads(line.removeprefix("data: "))
                 assert event["type"] == name
-                EVENT_TYPES[event["type"]].model_validate(event)
-                events.append(event)
+                yield event
+
+
+def stream_events(base_url: str, **body) -> list[dict]:
+    """The events of a streamed response, each checked against its SDK event type."""
+    events = list(named_events(f"{base_url}/v1/responses", {"model": MODEL, "stream": True, **body}))
+    for event in events:
+        EVENT_TYPES[event["type"]].model_validate(event)
     return events
 
 

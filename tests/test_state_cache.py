@@ -119,8 +119,7 @@ def test_hybrid_holders_keep_exactly_the_cells_counted(tiny) -> None:
 
 def _chat_request(e, messages: list[dict], max_tokens: int = 8):
     turn = mark_messages(e.model, e.template, messages)
-    request = greedy(turn.tokens, max_tokens=max_tokens)
-    request.marks = turn.checkpoint_marks()
+    request = greedy(turn.tokens, max_tokens=max_tokens, marks=turn.checkpoint_marks())
     return request, turn
 
 
@@ -137,11 +136,11 @@ def test_conversations_prefill_only_what_they_do_not_share(tiny, arch: str) -> N
     with engine(path) as e:
         r1, t1 = _chat_request(e, first)
         out1 = run(e, [r1])[r1.id]
-        assert out1 == scratch["first"] and r1.cached_tokens == 0
+        assert out1 == scratch["first"] and r1.state.cached_tokens == 0
         # A second conversation on the same system prompt prefills only what follows its opening.
         r2, t2 = _chat_request(e, other)
         assert run(e, [r2])[r2.id] == scratch["other"]
-        assert r2.cached_tokens == t2.opening == t1.opening > 0
+        assert r2.state.cached_tokens == t2.opening == t1.opening > 0
         # The next turn of the first conversation prefills at most what follows its last message's
         # close; when the answer re-tokenizes to what was generated, it resumes at the turn's end.
         reply = e.model.detokenize(out1)
@@ -150,7 +149,7 @@ def test_conversations_prefill_only_what_they_do_not_share(tiny, arch: str) -> N
         out3 = run(e, [r3])[r3.id]
         end_of_turn = len(r1.prompt) + len(out1) - 1  # the last sampled token was never evaluated
         roundtrips = t3.tokens[:end_of_turn] == r1.prompt + out1[:-1]
-        assert r3.cached_tokens == (end_of_turn if roundtrips else t1.close)
+        assert r3.state.cached_tokens == (end_of_turn if roundtrips else t1.close)
         assert t3.tokens[: t1.close] == t1.tokens[: t1.close]
     with engine(path, prefix_cache=False) as e:
         r, _ = _chat_request(e, turn2)
@@ -176,7 +175,7 @@ def test_flood_keeps_the_budget_and_evicts_conversations_first(tiny, arch: str) 
                         {"role": "user", "content": f"Question number {i}: what happened on day {i * 7}?"}]
             request, _ = _chat_request(e, messages, max_tokens=2)
             e.scheduler.submit(request)
-            while not request.finished or e.scheduler.running:
+            while not request.state.finished or e.scheduler.running:
                 e.scheduler.step()
                 peak = max(peak, cache.bytes_used)
                 assert cache.bytes_used <= cache.budget_bytes

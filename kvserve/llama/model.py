@@ -20,8 +20,6 @@ class ModelInfo:
     path: str
     n_ctx_train: int
     n_vocab: int
-    n_embd: int
-    n_layer: int
     is_recurrent: bool
     is_hybrid: bool
 
@@ -48,8 +46,6 @@ class Model:
             path=str(path),
             n_ctx_train=llama_cpp.llama_model_n_ctx_train(self._ptr),
             n_vocab=llama_cpp.llama_vocab_n_tokens(self._vocab),
-            n_embd=llama_cpp.llama_model_n_embd(self._ptr),
-            n_layer=llama_cpp.llama_model_n_layer(self._ptr),
             is_recurrent=bool(llama_cpp.llama_model_is_recurrent(self._ptr)),
             is_hybrid=bool(llama_cpp.llama_model_is_hybrid(self._ptr)),
         )

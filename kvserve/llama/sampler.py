@@ -94,10 +94,6 @@ class Sampler:
         """Pick the next token from the logits of batch entry `index` and remember it."""
         return llama_cpp.llama_sampler_sample(self._chain, ctx.ptr, index)
 
-    @property
-    def closed(self) -> bool:
-        return self._chain is None
-
     def close(self) -> None:
         """Free the chain and every stage it took ownership of."""
         if self._chain is not None:

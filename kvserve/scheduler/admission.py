@@ -54,7 +54,7 @@ class Admission:
         if not limit:
             return
         now = time.monotonic()
-        for request in [r for r in self.queues.waiting if r.admitted_at is None and now - r.arrival > limit]:
+        for request in [r for r in self.queues.waiting if r.state.admitted_at is None and now - r.arrival > limit]:
             message = f"the request waited {limit:g}s for a slot; the server is overloaded"
             self.ending.end(request, FinishReason.ERROR, outputs, error=message, status=503)
 
@@ -66,21 +66,21 @@ class Admission:
         admitted: list[Request] = []
         for request in self._admission_order():
             if _open_choices(request) > self.free_slots():
-                request.blocked_on = "a free slot"
+                request.state.blocked_on = "a free slot"
                 break
             cached = self.kv.cached_len(request.prompt)
             if self._waits_for_a_running_prefill(request, cached):
-                request.blocked_on = "a running prefill of the same prefix to donate it"
+                request.state.blocked_on = "a running prefill of the same prefix to donate it"
                 continue
             room = self._make_room_for(request, cached)
             if room is Room.NEVER:
                 self.ending.end(request, FinishReason.ERROR, outputs, error="the prompt does not fit in the KV cache",
                                 status=400)
             if room is not Room.NOW:
-                request.blocked_on = f"KV cells for {len(request.prompt) - cached} prompt tokens"
+                request.state.blocked_on = f"KV cells for {len(request.prompt) - cached} prompt tokens"
                 break
             if not self._start(request):
-                request.blocked_on = "a free sequence id"
+                request.state.blocked_on = "a free sequence id"
                 break
             self.queues.waiting.remove(request)
             self.queues.running.append(request)
@@ -93,8 +93,8 @@ class Admission:
         window = list(self.queues.waiting)[:ADMISSION_WINDOW]
         if not window:
             return window
-        starved = [r for r in window if r.passed_over >= STARVATION_LIMIT]
-        rest = sorted((r for r in window if r.passed_over < STARVATION_LIMIT),
+        starved = [r for r in window if r.state.passed_over >= STARVATION_LIMIT]
+        rest = sorted((r for r in window if r.state.passed_over < STARVATION_LIMIT),
                       key=lambda r: self.kv.cached_len(r.prompt), reverse=True)  # stable: ties keep arrival order
         return starved + rest
 
@@ -105,13 +105,13 @@ class Admission:
         latest = max(r.arrival for r in admitted)
         for request in self.queues.waiting:
             if request.arrival < latest:
-                request.passed_over += 1
+                request.state.passed_over += 1
 
     def _waits_for_a_running_prefill(self, request: Request, cached: int) -> bool:
         """A request whose prompt shares more than a page beyond what is cached with a prompt being
         prefilled right now waits for that prefill to donate, instead of computing the same prefix."""
         for other in self.queues.running:
-            first = other.choices[0]
+            first = other.state.choices[0]
             if first.session is not None and first.session.n_past < len(other.prompt):
                 if self.kv.gains_from_waiting(_common_prefix(request.prompt, other.prompt), cached):
                     return True
@@ -126,19 +126,19 @@ class Admission:
         return Room.LATER if self.queues.running else Room.NEVER
 
     def _unevaluated_tokens(self) -> int:
-        return sum(c.unevaluated for r in self.queues.running for c in r.choices if c.active)
+        return sum(c.unevaluated for r in self.queues.running for c in r.state.choices if c.active)
 
     def _start(self, request: Request) -> bool:
         """Give each open choice a session and attach what the cache holds. False: no ids now.
         On the first start only choice 0 prefills (its siblings fork from it once the prompt is
         evaluated) and the checkpoint marks are planned; a preempted request resumes every choice."""
-        first_time = not request.choices
+        first_time = not request.state.choices
         if first_time:
-            request.choices = [self._new_choice(request, i) for i in range(request.n)]
-        open_choices = [c for c in request.choices if c.finish_reason is None]
+            request.state.choices = [self._new_choice(request, i) for i in range(request.n)]
+        open_choices = [c for c in request.state.choices if c.finish_reason is None]
         if not self.kv.open_sessions(request, open_choices):
             return False
-        request.admitted_at = request.admitted_at or time.monotonic()
+        request.state.admitted_at = request.state.admitted_at or time.monotonic()
         if not first_time:
             self.kv.attach_cached(request, open_choices)
             return True
@@ -161,7 +161,7 @@ class Admission:
 
 def _open_choices(request: Request) -> int:
     """Choices the request runs (or will run once started): each takes a slot."""
-    return sum(c.finish_reason is None for c in request.choices) if request.choices else request.n
+    return sum(c.finish_reason is None for c in request.state.choices) if request.state.choices else request.n
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -100,7 +100,7 @@ class AsyncEngine:
         """Age of the oldest request in flight not yet admitted (0: none). Read on the event loop, from
         the requests' own arrival and admission times, so it keeps growing while a step is stuck."""
         now = time.monotonic()
-        return max((now - s.request.arrival for s in self._streams.values() if s.request.admitted_at is None),
+        return max((now - s.request.arrival for s in self._streams.values() if s.request.state.admitted_at is None),
                    default=0.0)
 
     def start(self) -> None:

@@ -78,7 +78,7 @@ class BatchPlanner:
         request = self.queues.running.pop()
         self.preemptions += 1
         self.kv.release(request, donate=True)
-        for choice in request.choices:
+        for choice in request.state.choices:
             choice.waits_for_fork = False  # siblings that never forked restart from the prompt
         self.queues.waiting.appendleft(request)
 
@@ -95,7 +95,7 @@ class BatchPlanner:
         decoding: list[Slot] = []
         prefilling: list[Slot] = []
         for request in self.queues.running:
-            for choice in request.choices:
+            for choice in request.state.choices:
                 if choice.active:
                     (decoding if choice.unevaluated == 1 else prefilling).append(Slot(request, choice, 1))
         return decoding, prefilling
@@ -134,5 +134,5 @@ def split_into_calls(decoding: list[Slot], chunks: list[Slot], tile_rows: int | 
 def _to_next_checkpoint(slot: Slot) -> int:
     """A recurrent state can only be saved where the sequence stands, so prefill stops there."""
     n_past = slot.choice.session.n_past
-    ahead = [p for p in slot.request.checkpoints if p > n_past] if slot.choice.index == 0 else []
+    ahead = [p for p in slot.request.state.checkpoints if p > n_past] if slot.choice.index == 0 else []
     return min(ahead) - n_past if ahead else slot.choice.unevaluated

@@ -21,7 +21,7 @@ class Ending:
     def end(self, request: Request, reason: FinishReason | None, outputs: StepOutputs,
             error: str | None = None, status: int = 500) -> None:
         """Close every open choice with `reason`, give the sequences back, emit usage (or the error)."""
-        for choice in request.choices:
+        for choice in request.state.choices:
             if choice.finish_reason is None:
                 choice.end(reason)
                 outputs.delta(request, choice).finish_reason = reason

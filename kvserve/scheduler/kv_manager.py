@@ -56,12 +56,12 @@ class KvManager:
         """Attach to each choice's fresh session what the cache holds of its tokens."""
         for choice in choices:
             attached = self.cache.attach(choice.session, choice.tokens)
-            request.cached_tokens = max(request.cached_tokens, min(attached, len(request.prompt)))
+            request.state.cached_tokens = max(request.state.cached_tokens, min(attached, len(request.prompt)))
 
     def plan_checkpoints(self, request: Request) -> None:
         """Keep the request's marks at which a checkpoint of choice 0 is worth a stop of its prefill."""
-        session = request.choices[0].session
-        request.checkpoints = {
+        session = request.state.choices[0].session
+        request.state.checkpoints = {
             mark.position: mark.kind for mark in request.marks
             if self.cache.checkpoint_at(session, request.prompt, session.n_past, mark.position)
         }
@@ -76,7 +76,7 @@ class KvManager:
 
     def checkpoint_if_at_mark(self, request: Request, choice: Choice) -> None:
         session = choice.session
-        kind = request.checkpoints.get(session.n_past) if choice.index == 0 else None
+        kind = request.state.checkpoints.get(session.n_past) if choice.index == 0 else None
         if kind is not None:
             self.cache.insert(session, session.tokens, preview=self._preview(request), kind=kind)
 
@@ -88,7 +88,7 @@ class KvManager:
 
     def fork_waiting_siblings(self, request: Request, parent: Choice) -> list[Choice]:
         """The prompt is evaluated: the siblings waiting for it share the parent's cells from here."""
-        siblings = [c for c in request.choices if c.waits_for_fork]
+        siblings = [c for c in request.state.choices if c.waits_for_fork]
         for sibling in siblings:
             self.pool.fork(parent.session, sibling.session)
             sibling.waits_for_fork = False
@@ -100,7 +100,7 @@ class KvManager:
     def release(self, request: Request, donate: bool) -> None:
         """Free every session of the request; unforked ones first donate what they evaluated to the
         cache. Forked siblings go first: their prompt cells are accounted to choice 0."""
-        resident = [c for c in request.choices if c.session is not None]
+        resident = [c for c in request.state.choices if c.session is not None]
         resident.sort(key=lambda c: not c.forked)
         for choice in resident:
             session = choice.session

@@ -21,8 +21,25 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(eq=False)
+class RequestState:
+    """What the engine thread owns of a request: written there only, as it admits, runs and ends it."""
+
+    choices: list["Choice"] = field(default_factory=list)
+    cached_tokens: int = 0
+    admitted_at: float | None = None
+    passed_over: int = 0  # times cache-aware admission chose another request first
+    checkpoints: dict[int, MarkKind] = field(default_factory=dict)  # the marks worth a state, by position
+    blocked_on: str = "its turn in the queue"  # why admission last passed it over (for stall reports)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.choices) and all(c.finish_reason is not None for c in self.choices)
+
+
+@dataclass(frozen=True, eq=False)
 class Request:
-    """A prompt and how to continue it. Everything below `logprobs` belongs to the engine thread."""
+    """A prompt and how to continue it, as the server built it: frozen, and its lists are never
+    changed, so any thread may read it. What serving it changes lives in `state`, the engine's."""
 
     id: str
     prompt: list[int]
@@ -35,17 +52,7 @@ class Request:
     marks: list[Mark] = field(default_factory=list)  # where a chat prompt's prefill may stop for a checkpoint
     special_text: bool = False  # the text spells out special tokens (a tool-call marker may be one)
     arrival: float = field(default_factory=time.monotonic)
-
-    choices: list["Choice"] = field(default_factory=list)
-    cached_tokens: int = 0
-    admitted_at: float | None = None
-    passed_over: int = 0  # times cache-aware admission chose another request first
-    checkpoints: dict[int, MarkKind] = field(default_factory=dict)  # the marks worth a state, by position
-    blocked_on: str = "its turn in the queue"  # why admission last passed it over (for stall reports)
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.choices) and all(c.finish_reason is not None for c in self.choices)
+    state: RequestState = field(default_factory=RequestState, init=False, repr=False)
 
 
 @dataclass(eq=False)
@@ -93,6 +100,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None  # with finish STOP: the stop string that ended the text, if one did
 
 
 @dataclass

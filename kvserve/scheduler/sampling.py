@@ -34,9 +34,10 @@ class Sampling:
             delta.logprobs.append(token_logprobs(self.ctx.logits(row), token, request.logprobs))
         delta.token_ids.append(token)
         delta.text += choice.stop_matcher.feed(choice.detokenizer.feed(token))
-        if choice.stop_matcher.stopped:
+        if choice.stop_matcher.matched is not None:
             choice.end(FinishReason.STOP)
             delta.finish_reason = FinishReason.STOP
+            delta.stop_sequence = choice.stop_matcher.matched
         elif choice.n_generated >= request.max_tokens or len(choice.tokens) >= self.max_seq_len:
             self._close_choice(choice, FinishReason.LENGTH, delta)
 

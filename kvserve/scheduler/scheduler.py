@@ -182,7 +182,7 @@ class Scheduler:
         self.kv.donate_evaluated_prompt(request, choice)
         for each in (choice, *self.kv.fork_waiting_siblings(request, choice)):
             self.sampling.take_token(request, each, slot.logits_index, outputs)
-        if request.finished:
+        if request.state.finished:
             self.ending.end(request, None, outputs)
 
     # -- reports and shutdown -----------------------------------------------------------------------
@@ -192,11 +192,11 @@ class Scheduler:
         now = time.monotonic()
         slots_full = self.admission.free_slots() <= 0
         running = ", ".join(
-            f"{r.id} ({sum(c.session.n_past for c in r.choices if c.session)}/{len(r.prompt)} prompt tokens in cache)"
+            f"{r.id} ({sum(c.session.n_past for c in r.state.choices if c.session)}/{len(r.prompt)} prompt tokens in cache)"
             for r in self.running[:8]
         )
         waiting = ", ".join(
-            f"{r.id} waits {now - r.arrival:.0f}s for {'a free slot' if slots_full else r.blocked_on}"
+            f"{r.id} waits {now - r.arrival:.0f}s for {'a free slot' if slots_full else r.state.blocked_on}"
             for r in list(self.waiting)[:8]
         )
         return (f"running {len(self.running)} [{running}]; waiting {self.n_waiting} [{waiting}]; "
@@ -208,7 +208,7 @@ class Scheduler:
         """Give back every sequence without donating, and every sampler chain (shutdown)."""
         for request in [*self.running, *self.waiting]:
             self.kv.release(request, donate=False)
-            for choice in request.choices:
+            for choice in request.state.choices:
                 choice.end(choice.finish_reason or FinishReason.ABORT)
         self.running.clear()
         self.waiting.clear()

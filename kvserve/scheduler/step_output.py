@@ -35,9 +35,9 @@ class StepOutputs:
         output.error, output.status = error, status
         output.usage = Usage(
             prompt_tokens=len(request.prompt),
-            completion_tokens=sum(c.n_generated for c in request.choices),
-            cached_tokens=request.cached_tokens,
-            queue_seconds=(request.admitted_at or time.monotonic()) - request.arrival,
+            completion_tokens=sum(c.n_generated for c in request.state.choices),
+            cached_tokens=request.state.cached_tokens,
+            queue_seconds=(request.state.admitted_at or time.monotonic()) - request.arrival,
         )
 
     def _of(self, request: Request) -> RequestOutput:

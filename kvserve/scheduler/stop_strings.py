@@ -10,16 +10,16 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._longest = max((len(s) for s in self._stops), default=0)
         self._pending = ""
-        self.stopped = False
+        self.matched: str | None = None  # the stop string the text stopped at, once it did
 
     def feed(self, text: str) -> str:
         """The text that is now safe to emit."""
         if not self._stops:
             return text
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
+        found = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])  # the first to occur; of those, the first given
             out, self._pending = self._pending[:cut], ""
             return out
         keep = self._held_back()

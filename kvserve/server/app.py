@@ -1,4 +1,5 @@
-"""The HTTP surface: OpenAI endpoints (with and without /v1), health, metrics and cache views."""
+"""The HTTP surface: OpenAI endpoints (with and without /v1), Anthropic's Messages API, health, metrics
+and cache views."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from kvserve.server.logs import log_config
 from kvserve.server.metrics import Metrics
 from kvserve.server.middleware import BodyLimit, RequestId
 from kvserve.server.responses import LogprobFormatter, Shape, collect, stream
+from kvserve.server.messages_api import routes as messages_api
+from kvserve.server.messages_api.schemas import AnthropicErrorResponse
 from kvserve.server.responses_api import routes as responses_api
 from kvserve.server.responses_api.store import ResponseStore
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
@@ -88,7 +91,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = _engine(request)
     prompt = await asyncio.to_thread(prompts.completion_prompt, engine.model, body)
     params = prompts.sampling_params(engine.model, body, None)
-    job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl")
+    job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl", "prompt")
     return await respond(request, engine, job, _answer(engine, Shape(False, engine.settings.served_name, job),
                                                         body.stream, body.stream_options))
 
@@ -98,8 +101,7 @@ def _answer(engine: Engine, shape: Shape, streaming: bool, options: StreamOption
     formatter = LogprobFormatter(engine.model)
     include_usage = bool(options and options.include_usage)
     chunks = partial(stream, shape, logprobs=formatter, include_usage=include_usage)
-    return Answer(partial(collect, shape, logprobs=formatter), chunks if streaming else None,
-                  shape.tools.finish_reason if shape.tools else None)
+    return Answer(partial(collect, shape, logprobs=formatter), chunks if streaming else None, shape.finish_reasons)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -130,6 +132,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(public)
     app.include_router(api)
     app.include_router(responses_api.router, dependencies=[Depends(require_key)], responses=error_responses(401))
+    app.include_router(messages_api.router, dependencies=[Depends(require_key)],
+                       responses=error_responses(401, model=AnthropicErrorResponse))
     guarded = dict(dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
     app.include_router(cache_routes.router, **guarded)
     app.include_router(worker_routes.router, **guarded)

@@ -1,14 +1,18 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, never FastAPI's 422 body."""
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, never FastAPI's 422 body;
+under /v1/messages, Anthropic's: `{"type": "error", "error": {"type", "message"}}`."""
 
 from __future__ import annotations
 
 import json
+import re
+from contextlib import contextmanager
 from http import HTTPStatus
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.server.schemas import ErrorResponse
@@ -28,9 +32,33 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict]:
-    """OpenAPI entries for the error statuses a route can answer, all in the OpenAI shape."""
-    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
+def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict]:
+    """OpenAPI entries for the error statuses a route can answer, all in `model`'s shape."""
+    return {status: {"model": model, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+ANTHROPIC_ROUTES = "/v1/messages"  # and the routes below it
+# Anthropic's error type for each status kvserve answers; 503 (draining, a queue timeout) is its
+# overload, which Anthropic's own API answers with 529.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_at(path: str, status: int, body: dict) -> dict:
+    """An OpenAI error `body` as the API served at `path` words it; Anthropic's has no `param`,
+    so its message names the parameter."""
+    if not (path == ANTHROPIC_ROUTES or path.startswith(f"{ANTHROPIC_ROUTES}/")):
+        return body
+    param, message = body["error"]["param"], body["error"]["message"]
+    if param is not None and not message.startswith(param):
+        message = f"{param}: {message}"
+    return anthropic_error_body(status, message)
 
 
 def invalid(message: str, param: str | None = None) -> APIError:
@@ -81,21 +109,47 @@ def invalid_body(errors: Sequence[dict]) -> APIError:
     return invalid(f"{param}: {message}" if param else message, param)
 
 
+Spellings = Sequence[tuple[re.Pattern[str], str]]  # a pattern over a chat parameter, and its replacement
+
+
+@contextmanager
+def respelled(spellings: Spellings) -> Iterator[None]:
+    """Errors raised inside (by code shared with chat) name the parameter as another API spells it,
+    in `param` and where the message starts with it: by the first of `spellings` that matches."""
+    try:
+        yield
+    except APIError as exc:
+        detail = exc.body["error"]
+        param, message = detail["param"], detail["message"]
+        for pattern, spelling in spellings:
+            if param is not None and pattern.match(param):
+                renamed = pattern.sub(spelling, param, count=1)
+                if message.startswith(f"{param}: "):
+                    message = f"{renamed}: {message.removeprefix(f'{param}: ')}"
+                param = renamed
+                break
+        raise APIError(exc.status, message, type=detail["type"], param=param, code=detail["code"],
+                       headers=exc.headers) from exc
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    def answer(request: Request, error: APIError) -> JSONResponse:
+        body = error_body_at(request.url.path, error.status, error.body)
+        return JSONResponse(body, status_code=error.status, headers=error.headers)
+
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        error = invalid_body(exc.errors())
-        return JSONResponse(error.body, status_code=error.status)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(request, invalid_body(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code)
+        return answer(request, APIError(exc.status_code, str(exc.detail), type=kind))
 
     @app.exception_handler(json.JSONDecodeError)
-    async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
-        return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)
+    async def _json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return answer(request, invalid("the request body is not valid JSON"))

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
@@ -31,9 +30,9 @@ class Answer:
 
     whole: Callable[[Outputs], Awaitable[dict]]
     stream: Callable[[Outputs], AsyncIterator[str]] | None = None  # set when the client asked for SSE
-    # a choice's finish reason as the body says it, from its whole text and the engine's reason
-    # (a tool call turns `stop` into `tool_calls`); None: the engine's
-    finish_reason: Callable[[str, str], str] | None = None
+    # Each choice's finish reason in chat's terms, as the body said it (a reply that called tools:
+    # `tool_calls`), appended by `whole` or `stream` as they end the choice: what metrics count.
+    finish_reasons: list[str] = field(default_factory=list)
 
 
 def rejected(request: Request, error: APIError) -> APIError:
@@ -58,7 +57,7 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
         raise rejected(request, busy) from exc
     except EngineStopped as exc:
         raise APIError(503, str(exc), type="server_error", code="shutting_down") from exc
-    timer = RequestTimer(request.app.state.metrics, job.arrival)
+    served = _Served(outputs, RequestTimer(request.app.state.metrics, job.arrival))
     try:
         first = await _unless_disconnected(request, outputs.peek())
         if first.error is not None:
@@ -66,11 +65,13 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
             raise rejected(request, error) if error.status == 503 else error
         if answer.stream is not None:
             return StreamingResponse(
-                answer.stream(_timed(outputs, timer, answer.finish_reason)),
+                served.ended_after(answer.stream(served.outputs()), answer.finish_reasons),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return JSONResponse(await _unless_disconnected(request, answer.whole(_timed(outputs, timer, answer.finish_reason))))
+        body = await _unless_disconnected(request, answer.whole(served.outputs()))
+        served.end(answer.finish_reasons)
+        return JSONResponse(body)
     except _ClientGone:
         outputs.close()
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it, logs do
@@ -79,28 +80,37 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
         raise
 
 
-async def _timed(outputs: RequestStream, timer: RequestTimer,
-                 finish_reason: Callable[[str, str], str] | None) -> Outputs:
-    """The outputs, observed for metrics and logged at the end; the stream is closed however this ends."""
-    reasons: list[str] = []
-    texts: dict[int, list[str]] = defaultdict(list)  # each choice's text so far, where finish_reason reads it
-    try:
-        async for output in outputs:
-            timer.observe(output)
-            for d in output.deltas:
-                if finish_reason is not None:
-                    texts[d.index].append(d.text)
-                if d.finish_reason is not None:
-                    reason = d.finish_reason.value
-                    reasons.append(finish_reason("".join(texts[d.index]), reason) if finish_reason else reason)
-            if output.usage is not None:
-                _log.info("%s: %d prompt tokens (%d cached), %d generated, finish %s", outputs.request.id,
-                          output.usage.prompt_tokens, output.usage.cached_tokens, output.usage.completion_tokens,
-                          ",".join(reasons) or output.error)
-            yield output
-    finally:
-        outputs.close()
-    timer.finished(reasons)
+class _Served:
+    """One request's outputs as its answer reads them, observed for metrics; once the answer is
+    whole, `end` logs the request and counts the finish reasons the answer gave."""
+
+    def __init__(self, stream: RequestStream, timer: RequestTimer) -> None:
+        self._stream = stream
+        self._timer = timer
+        self._last: RequestOutput | None = None
+
+    async def outputs(self) -> Outputs:
+        """The outputs; the stream is closed however this ends."""
+        try:
+            async for output in self._stream:
+                self._timer.observe(output)
+                self._last = output
+                yield output
+        finally:
+            self._stream.close()
+
+    async def ended_after(self, chunks: AsyncIterator[str], reasons: list[str]) -> AsyncIterator[str]:
+        async for chunk in chunks:
+            yield chunk
+        self.end(reasons)
+
+    def end(self, reasons: list[str]) -> None:
+        usage = self._last.usage if self._last is not None else None
+        if usage is not None:
+            _log.info("%s: %d prompt tokens (%d cached), %d generated, finish %s", self._stream.request.id,
+                      usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
+                      ",".join(reasons) or self._last.error)
+        self._timer.finished(reasons)
 
 
 class _ClientGone(Exception):

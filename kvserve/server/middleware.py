@@ -8,7 +8,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.server.errors import error_body
+from kvserve.server.errors import error_body, error_body_at
 from kvserve.server.logs import request_id
 
 # A client's id is echoed only if it is short and printable: it goes into logs and headers.
@@ -60,7 +60,7 @@ class BodyLimit:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
-                return await self._too_large(send)
+                return await self._too_large(scope["path"], send)
         replayed = False
 
         async def replay() -> Message:
@@ -72,10 +72,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, path: str, send: Send) -> None:
         limit_mb = self.max_bytes / (1024 * 1024)
-        payload = json.dumps(error_body(f"the request body is larger than {limit_mb:g} MiB (--max-body-mb)",
-                                        code="request_too_large")).encode()
+        body = error_body(f"the request body is larger than {limit_mb:g} MiB (--max-body-mb)", code="request_too_large")
+        payload = json.dumps(error_body_at(path, 413, body)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-
 from dataclasses import dataclass, replace
 
 from llama_cpp.llama_grammar import json_schema_to_gbnf
@@ -25,7 +24,7 @@ from kvserve.server.schemas import (
     NamedToolChoice,
     ResponseFormat,
     ToolChoiceField,
-    _Sampling,
+    Sampling,
 )
 from kvserve.tools import ChatTurn, HistoryCall, ToolPlan, plan_tools, template_messages
 from kvserve.tools.formats import ToolFormat, detect_format
@@ -158,7 +157,7 @@ def grammar_for(response_format: ResponseFormat | None) -> str | None:
         raise invalid(f"unsupported json_schema: {exc}", "response_format") from exc
 
 
-def sampling_params(model: Model, body: _Sampling, grammar: str | None) -> SamplingParams:
+def sampling_params(model: Model, body: Sampling, grammar: str | None) -> SamplingParams:
     bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
         token = int(key)
@@ -212,24 +211,25 @@ async def chat_job(engine: Engine, body: ChatCompletionRequest) -> tuple[Request
     prompt = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body)
     params = chat_sampling(engine.model, body, prompt.tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl")
-    job.marks = prompt.marks
-    job.special_text = prompt.tools is not None and prompt.tools.special_text
+    job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl", "messages",
+                        marks=prompt.marks, special_text=prompt.tools is not None and prompt.tools.special_text)
     return job, prompt.tools
 
 
 def build_request(
-    prompt: list[int], body: _Sampling, params: SamplingParams, logprobs: int | None, limits: SchedulerConfig,
-    prefix: str,
+    prompt: list[int], body: Sampling, params: SamplingParams, logprobs: int | None, limits: SchedulerConfig,
+    prefix: str, param: str, marks: list[Mark] | None = None, special_text: bool = False,
 ) -> Request:
+    """The request for `prompt`; a prompt that is empty or leaves no room is a 400 naming `param`,
+    the field of the body that holds it."""
     if body.n > limits.max_running:  # its choices decode side by side: they could never all be admitted
         raise invalid(f"n is {body.n}, but this server runs at most {limits.max_running} sequences at once", "n")
     max_seq_len = limits.max_seq_len
     if not prompt:
-        raise invalid("the prompt is empty", "messages" if prefix == "chatcmpl" else "prompt")
+        raise invalid("the prompt is empty", param)
     room = max_seq_len - len(prompt)
     if room < 1:
-        raise context_length_exceeded(max_seq_len, len(prompt), "messages" if prefix == "chatcmpl" else "prompt")
+        raise context_length_exceeded(max_seq_len, len(prompt), param)
     return Request(
         id=f"{prefix}-{uuid.uuid4().hex}",
         prompt=prompt,
@@ -239,4 +239,6 @@ def build_request(
         stop_strings=body.stop,
         logprobs=logprobs,
         ignore_eos=body.ignore_eos,
+        marks=marks or [],
+        special_text=special_text,
     )

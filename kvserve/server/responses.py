@@ -19,6 +19,11 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def sse_event(event: dict) -> str:
+    """An SSE event whose `event:` line names its `type` (the Responses and Messages APIs' form)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
 def usage_body(usage: Usage) -> dict:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -37,6 +42,7 @@ class Shape:
     request: Request
     tools: ToolPlan | None = None  # a chat whose reply may call tools
     created: int = field(default_factory=lambda: int(time.time()))
+    finish_reasons: list[str] = field(default_factory=list)  # each choice's, as its body said it, once said
 
     @property
     def object(self) -> str:
@@ -131,6 +137,7 @@ async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs:
                 "finish_reason": c.finish_reason,
             }
         body_choices.append(entry)
+        shape.finish_reasons.append(entry["finish_reason"])
     return {**shape.head(), "choices": body_choices, "usage": usage_body(usage)}
 
 
@@ -179,6 +186,8 @@ async def stream(
 
 def _chunk_choice(shape: Shape, delta: Delta, logprobs: LogprobFormatter, offsets: list[TextOffsets]) -> dict:
     reason = delta.finish_reason.value if delta.finish_reason else None
+    if reason is not None:
+        shape.finish_reasons.append(reason)
     want = shape.request.logprobs is not None
     if shape.chat:
         lp = {"content": logprobs.chat(delta.logprobs)} if want else None
@@ -202,6 +211,7 @@ def _tool_chunk_choices(shape: Shape, delta: Delta, logprobs: LogprobFormatter, 
         choices[0]["logprobs"] = {"content": logprobs.chat(delta.logprobs)}
     if choices and delta.finish_reason is not None:
         choices[-1]["finish_reason"] = parser.finish_reason(delta.finish_reason.value)
+        shape.finish_reasons.append(choices[-1]["finish_reason"])
     return choices
 
 

@@ -1,11 +1,14 @@
-"""OpenAI request bodies. Unknown fields are ignored, as OpenAI-compatible servers do."""
+"""OpenAI request bodies, and the base every API's bodies share. Unknown fields are ignored, as
+OpenAI-compatible servers do."""
 
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Discriminator, Field, TypeAdapter, ValidationError, field_validator, model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
 from kvserve.tools.spec import NAME_PATTERN
@@ -27,16 +30,32 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class TextPart(_Body):
+def tagged(*kinds: tuple[type[Body], tuple[str | None, ...]], refusal: str,
+           strings: str | None = None) -> Discriminator:
+    """A discriminator on `type` whose tags are the models' names (which error params leave out)
+    and whose error for any other type is `refusal`. A `None` type value stands for a missing type;
+    a string value gets the tag `strings`."""
+    tags = {value: model.__name__ for model, values in kinds for value in values}
+
+    def tag(value: Any) -> str | None:
+        if isinstance(value, str):
+            return strings
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return tags.get(kind) if kind is None or isinstance(kind, str) else None
+
+    return Discriminator(tag, custom_error_type="unsupported_type", custom_error_message=refusal)
+
+
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: Union[str, dict[str, Any]] = "{}"  # OpenAI sends JSON text; a few clients send the object
 
@@ -45,13 +64,13 @@ class FunctionCall(_Body):
         return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments, ensure_ascii=False)
 
 
-class MessageToolCall(_Body):
+class MessageToolCall(Body):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Body):
+class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
@@ -81,17 +100,17 @@ class Message(_Body):
         return "".join(part.text for part in self.content)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     name: str = "response"
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
 
@@ -102,33 +121,33 @@ class ResponseFormat(_Body):
         return self
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: str = Field(pattern=NAME_PATTERN.pattern)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema of the arguments; none: no arguments
     strict: bool | None = None  # accepted; kvserve enforces every tool's schema by grammar
 
 
-class ChatTool(_Body):
+class ChatTool(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Body):
+class FunctionName(Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: FunctionName
 
 
-class AllowedTools(_Body):
+class AllowedTools(Body):
     mode: Literal["auto", "required"]
     tools: list[NamedToolChoice] = Field(min_length=1)
 
 
-class AllowedToolsChoice(_Body):
+class AllowedToolsChoice(Body):
     type: Literal["allowed_tools"]
     allowed_tools: AllowedTools
 
@@ -138,7 +157,7 @@ _CHOICE_OBJECT: TypeAdapter = TypeAdapter(
     Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(discriminator="type")])
 
 
-class _Sampling(_Body):
+class Sampling(Body):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -178,7 +197,7 @@ class _Sampling(_Body):
         return value
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -218,7 +237,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(Sampling):
     prompt: Union[str, list[int], list[str]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False

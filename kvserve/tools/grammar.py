@@ -40,10 +40,6 @@ class ToolGrammar:
     trigger_patterns: tuple[str, ...] = ()
     trigger_tokens: tuple[int, ...] = ()
 
-    @property
-    def lazy(self) -> bool:
-        return bool(self.trigger_patterns or self.trigger_tokens)
-
 
 def check_parameters(tool: FunctionTool) -> None:
     """A schema the converter cannot express is the client's error, named at the tool."""

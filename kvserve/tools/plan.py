@@ -57,10 +57,6 @@ class ToolPlan:
         parser.finish()
         return parser
 
-    def finish_reason(self, text: str, reason: str) -> str:
-        """The finish reason of a whole reply `text` that ended with `reason`: `tool_calls` where it called."""
-        return self.read(text).finish_reason(reason)
-
 
 def check_tools(tools: list[FunctionTool], choice: ToolChoice) -> None:
     """Raises ToolError naming the field at fault."""

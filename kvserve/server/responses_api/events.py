@@ -4,7 +4,6 @@ a whole (non-streamed) response is the same build with the events dropped, so bo
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass, field
 
 from kvserve.scheduler.request import Delta, FinishReason, RequestOutput
@@ -13,10 +12,6 @@ from kvserve.server.responses_api.bodies import (
     ResponseHead, function_call_item, message_item, new_id, output_text,
 )
 from kvserve.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolEvent, ToolPlan
-
-
-def sse_event(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 @dataclass
@@ -51,6 +46,7 @@ class ResponseEvents:
         self._item: _OpenItem | None = None
         self._unplaced_logprobs: list[dict] = []  # of text the parser holds back
         self._finish: FinishReason | None = None
+        self.finish_reasons: list[str] = []  # chat's finish reason of the reply, once it ended
 
     def started(self) -> list[dict]:
         body = self.head.body("in_progress", [])
@@ -140,6 +136,9 @@ class ResponseEvents:
 
     def _finished(self, output: RequestOutput) -> list[dict]:
         cut = self._finish == FinishReason.LENGTH
+        if self._finish is not None:
+            reason = self._finish.value
+            self.finish_reasons.append(self._parser.finish_reason(reason) if self._parser else reason)
         status = "incomplete" if cut else "completed"
         # A response says something even when the model stopped at once: an empty message.
         events = self._open_message() if not self.output and self._item is None else []

@@ -17,10 +17,10 @@ from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
 from kvserve.server.errors import APIError, engine_error, error_responses
 from kvserve.server.generation import Answer, Outputs, accepting, respond
-from kvserve.server.responses import LogprobFormatter
+from kvserve.server.responses import LogprobFormatter, sse_event
 from kvserve.server.responses_api import to_chat
 from kvserve.server.responses_api.bodies import ResponseHead, as_input
-from kvserve.server.responses_api.events import ResponseEvents, sse_event
+from kvserve.server.responses_api.events import ResponseEvents
 from kvserve.server.responses_api.schemas import CreateResponse
 from kvserve.server.responses_api.store import ResponseStore, StoredResponse
 
@@ -64,8 +64,7 @@ async def create_response(body: CreateResponse, request: Request) -> Response:
             store.put(final, context + [as_input(item) for item in final["output"]])
 
     streamed = partial(_streamed, events, keep) if body.stream else None
-    return await respond(request, engine, job, Answer(partial(_whole, events, keep), streamed,
-                                                      tools.finish_reason if tools else None))
+    return await respond(request, engine, job, Answer(partial(_whole, events, keep), streamed, events.finish_reasons))
 
 
 async def _whole(events: ResponseEvents, keep: Keep, outputs: Outputs) -> dict:

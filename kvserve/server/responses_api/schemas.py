@@ -8,45 +8,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import Field, Tag, ValidationInfo, field_validator, model_validator
 
-from kvserve.server.schemas import MAX_TOP_LOGPROBS, _Body
+from kvserve.server.schemas import MAX_TOP_LOGPROBS, Body, tagged
 from kvserve.tools.spec import NAME_PATTERN
 
 MAX_METADATA_PAIRS = 16
 
 
-class TextContent(_Body):
+class TextContent(Body):
     """Text in a message: the client's (`input_text`) or an earlier answer's (`output_text`)."""
 
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class RefusalContent(_Body):
+class RefusalContent(Body):
     type: Literal["refusal"]
     refusal: str
 
 
-def _tagged(*kinds: tuple[type[_Body], tuple[str | None, ...]], refusal: str,
-            strings: str | None = None) -> Discriminator:
-    """A discriminator on `type` whose tags are the models' names (which error params leave out)
-    and whose error for any other type is `refusal`. A `None` type value stands for a missing type;
-    a string value gets the tag `strings`."""
-    tags = {value: model.__name__ for model, values in kinds for value in values}
-
-    def tag(value: Any) -> str | None:
-        if isinstance(value, str):
-            return strings
-        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return tags.get(kind) if kind is None or isinstance(kind, str) else None
-
-    return Discriminator(tag, custom_error_type="unsupported_type", custom_error_message=refusal)
-
-
 Content = Annotated[
     Union[Annotated[TextContent, Tag("TextContent")], Annotated[RefusalContent, Tag("RefusalContent")]],
-    _tagged((TextContent, ("input_text", "output_text")), (RefusalContent, ("refusal",)),
+    tagged((TextContent, ("input_text", "output_text")), (RefusalContent, ("refusal",)),
             refusal="content parts are input_text, output_text or refusal: this server reads text only"),
 ]
 
@@ -57,13 +41,13 @@ def content_text(content: str | list[Content]) -> str:
     return "".join(part.text if isinstance(part, TextContent) else part.refusal for part in content)
 
 
-class MessageItem(_Body):
+class MessageItem(Body):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Union[str, list[Content]]
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(Body):
     """A call the model made earlier; `call_id` pairs it with its output."""
 
     type: Literal["function_call"]
@@ -72,7 +56,7 @@ class FunctionCallItem(_Body):
     arguments: str
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(Body):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: Union[str, list[TextContent]]
@@ -84,13 +68,13 @@ InputItem = Annotated[
         Annotated[FunctionCallItem, Tag("FunctionCallItem")],
         Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
     ],
-    _tagged((MessageItem, ("message", None)), (FunctionCallItem, ("function_call",)),
+    tagged((MessageItem, ("message", None)), (FunctionCallItem, ("function_call",)),
             (FunctionCallOutputItem, ("function_call_output",)),  # a message may leave out its type
             refusal="input items are message, function_call or function_call_output"),
 ]
 
 
-class FunctionTool(_Body):
+class FunctionTool(Body):
     type: Literal["function"]
     name: str = Field(pattern=NAME_PATTERN.pattern)
     description: str | None = None
@@ -98,14 +82,14 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
-class FunctionChoice(_Body):
+class FunctionChoice(Body):
     """Call this function (and only it)."""
 
     type: Literal["function"]
     name: str
 
 
-class AllowedToolsChoice(_Body):
+class AllowedToolsChoice(Body):
     """Call only these functions: `auto` may answer in text, `required` must call one."""
 
     type: Literal["allowed_tools"]
@@ -120,13 +104,13 @@ ToolChoice = Annotated[
         Annotated[FunctionChoice, Tag("FunctionChoice")],
         Annotated[AllowedToolsChoice, Tag("AllowedToolsChoice")],
     ],
-    _tagged((FunctionChoice, ("function",)), (AllowedToolsChoice, ("allowed_tools",)), strings="ToolChoiceMode",
+    tagged((FunctionChoice, ("function",)), (AllowedToolsChoice, ("allowed_tools",)), strings="ToolChoiceMode",
             refusal="tool_choice is none, auto, required, or a function or allowed_tools choice: "
                     "this server calls function tools only"),
 ]
 
 
-class TextFormat(_Body):
+class TextFormat(Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str = "response"
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -140,11 +124,11 @@ class TextFormat(_Body):
         return self
 
 
-class TextConfig(_Body):
+class TextConfig(Body):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class Reasoning(_Body):
+class Reasoning(Body):
     effort: str | None = None
     summary: str | None = None
 
@@ -167,7 +151,7 @@ _UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-class CreateResponse(_Body):
+class CreateResponse(Body):
     model: str | None = None
     input: Union[str, list[InputItem]] = Field(default_factory=list)
     instructions: str | None = None

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 from pydantic import ValidationError
 
-from kvserve.server.errors import APIError, invalid, invalid_body
+from kvserve.server.errors import invalid, invalid_body, respelled
 from kvserve.server.responses_api.schemas import (
     CreateResponse, FunctionCallItem, FunctionCallOutputItem, FunctionChoice, InputItem, MessageItem, TextFormat,
     ToolChoice, content_text,
@@ -95,21 +95,6 @@ def _response_format(text: TextFormat) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": text.name, "schema": text.schema_, "strict": text.strict}}
 
 
-@contextmanager
-def in_responses_terms() -> Iterator[None]:
+def in_responses_terms() -> AbstractContextManager[None]:
     """Errors raised inside (by code shared with chat) name Responses parameters."""
-    try:
-        yield
-    except APIError as exc:
-        raise _renamed(exc) from exc
-
-
-def _renamed(error: APIError) -> APIError:
-    detail = error.body["error"]
-    param = detail["param"]
-    for pattern, spelling in _RESPONSES_PARAMS:
-        if param is not None and pattern.match(param):
-            param = pattern.sub(spelling, param, count=1)
-            break
-    return APIError(error.status, detail["message"], type=detail["type"], param=param, code=detail["code"],
-                    headers=error.headers)
+    return respelled(_RESPONSES_PARAMS)
