@@ -113,6 +113,13 @@ CASES = {
         "", [("add", "{}"), ("get_weather", '{"city": "P"}')]),
     "hermes-bare-object": (ToolFormat.HERMES, 'I call {"name": "add", "arguments": {"a": 1}}.',
                            "I call.", [("add", '{"a": 1}')]),
+    # after a bare call, the closing tag and fence the grammar allows there are syntax too
+    "hermes-bare-object-then-closers": (
+        ToolFormat.HERMES, '{"name": "add", "arguments": {}}\n```\n{"name": "add", "arguments": {}}</tools>\n'
+                           '<tool_call>{"name": "add", "arguments": {}}</tool_call>\n</tool',
+        "\n</tool", [("add", "{}")] * 3),
+    "hermes-bare-object-then-text": (ToolFormat.HERMES, '{"name": "add", "arguments": {}}\n`x` </b>\n',
+                                     "\n`x` </b>", [("add", "{}")]),
     "hermes-code-blocks-are-text": (
         ToolFormat.HERMES, '```python\nx = {"a": 1}\n```\n```json\n{"name": "Bob"}\n```\n``` {"x"',
         '```python\nx = {"a": 1}\n```\n```json\n{"name": "Bob"}\n```\n``` {"x"', []),

@@ -185,8 +185,9 @@ class ToolCallParser:
 
     def _ended(self) -> None:
         """The text ended inside call syntax: a certain call is dropped; anything else held is content."""
-        if self._open is None:
-            self._emit_content(self._held_ws + "".join(self._raw or []))
+        held = self._held_ws + "".join(self._raw or [])
+        if self._open is None and not (self._calls and held.isspace()):
+            self._emit_content(held)
         self._raw, self._held_ws, self._open = None, "", None
 
     # -- the machine -----------------------------------------------------------------------------
@@ -227,8 +228,10 @@ class ToolCallParser:
         ch = yield  # the character after the opening
         if self._fmt is ToolFormat.MISTRAL:
             return (yield from self._call_list(ch))
-        if opening == "{":
-            return (yield from self._call_body(ch))
+        if opening == "{":  # a bare call, whose variant's closing tag and fence may follow
+            ch = yield from self._call_body(ch)
+            ch = yield from self._optional(ch, tuple(f"</{tag}>" for tag in HERMES_TAGS))
+            return (yield from self._optional(ch, (FENCE,)))
         if opening == FENCE:
             return (yield from self._fenced(ch))
         ch = yield from self._call(ch)
@@ -264,6 +267,27 @@ class ToolCallParser:
         if tag is not None:
             ch = yield from self._literal(f"</{tag}>", ch)
         return (yield from self._literal(FENCE, ch))
+
+    def _optional(self, ch: str | None, texts: tuple[str, ...]) -> Steps:
+        """One of `texts` after whitespace, read as syntax if it comes whole; else what was read
+        here is read again as what follows."""
+        self._raw = [ch] if ch is not None else []
+        try:
+            ch = yield from self._ws(ch)
+            read = ""
+            while read not in texts:
+                if ch is None:
+                    raise _Ended
+                read += ch
+                if not any(text.startswith(read) for text in texts):
+                    raise _NotACall
+                ch = yield
+        except _NotACall:
+            raw, self._raw = self._raw, None
+            self._queue.extendleft(reversed(raw))
+            return (yield)
+        self._raw = None
+        return ch
 
     def _tag(self) -> Generator[None, Union[str, None], tuple[str, Union[str, None]]]:
         """After `<`: one of the Hermes tags and its `>`; returns (the tag, the next character)."""
