@@ -57,6 +57,8 @@ _REPLACEMENT = "\ufffd"
 
 # Each step receives the next character (None: the text ended) and returns the first one it did not consume.
 Steps = Generator[None, Union[str, None], Union[str, None]]
+# The same, for a step that also returns what it read.
+Reads = Generator[None, Union[str, None], tuple[str, Union[str, None]]]
 
 
 class _NotACall(Exception):
@@ -248,24 +250,15 @@ class ToolCallParser:
         return (yield from self._literal("]", ch))
 
     def _fenced(self, ch: str | None) -> Steps:
-        """After the fence: a language, a newline, a call (in a tag or not), the closing fence."""
-        language = ""
-        while ch != "\n":
-            if ch is None:
-                raise _Ended
-            language += ch
-            if not any(known.startswith(language) for known in FENCE_LANGUAGES):
-                raise _NotACall
-            ch = yield
-        if language not in FENCE_LANGUAGES:
-            raise _NotACall
-        ch = yield from self._ws((yield))
+        """After the fence: a language and a newline, a call (in a tag or not), the closing fence."""
+        _, ch = yield from self._one_of(tuple(f"{language}\n" for language in FENCE_LANGUAGES), ch)
+        ch = yield from self._ws(ch)
         tag = None
         if ch == "<":
-            tag, ch = yield from self._tag()
+            tag, ch = yield from self._one_of(tuple(f"<{tag}>" for tag in HERMES_TAGS), ch)
         ch = yield from self._call(ch)
         if tag is not None:
-            ch = yield from self._literal(f"</{tag}>", ch)
+            ch = yield from self._literal(f"</{tag[1:-1]}>", ch)
         return (yield from self._literal(FENCE, ch))
 
     def _optional(self, ch: str | None, texts: tuple[str, ...]) -> Steps:
@@ -273,15 +266,7 @@ class ToolCallParser:
         here is read again as what follows."""
         self._raw = [ch] if ch is not None else []
         try:
-            ch = yield from self._ws(ch)
-            read = ""
-            while read not in texts:
-                if ch is None:
-                    raise _Ended
-                read += ch
-                if not any(text.startswith(read) for text in texts):
-                    raise _NotACall
-                ch = yield
+            _, ch = yield from self._one_of(texts, (yield from self._ws(ch)))
         except _NotACall:
             raw, self._raw = self._raw, None
             self._queue.extendleft(reversed(raw))
@@ -289,22 +274,19 @@ class ToolCallParser:
         self._raw = None
         return ch
 
-    def _tag(self) -> Generator[None, Union[str, None], tuple[str, Union[str, None]]]:
-        """After `<`: one of the Hermes tags and its `>`; returns (the tag, the next character)."""
-        tag = ""
-        ch = yield
-        while ch != ">":
+    def _one_of(self, texts: tuple[str, ...], ch: str | None) -> Reads:
+        """One of `texts` (none a prefix of another), from `ch` on: returns (it, the next character)."""
+        read = ""
+        while read not in texts:
             if ch is None:
                 raise _Ended
-            tag += ch
-            if not any(known.startswith(tag) for known in HERMES_TAGS):
+            read += ch
+            if not any(text.startswith(read) for text in texts):
                 raise _NotACall
             ch = yield
-        if tag not in HERMES_TAGS:
-            raise _NotACall
-        return tag, (yield)
+        return read, ch
 
-    def _read_content(self, ch: str | None, openings: tuple[str, ...]) -> Generator[None, Union[str, None], Union[str, None]]:
+    def _read_content(self, ch: str | None, openings: tuple[str, ...]) -> Steps:
         """Content up to and including an opening: returns it once read, None at the end."""
         while ch is not None:
             self._pending += ch
