@@ -11,14 +11,18 @@ text after the marker is a prefix the grammar accepts: the marker, then a prefix
 opening of a call, then the end of the text.
 
 Hermes models also write calls in variants (another tag, a Markdown fence, a bare object; see
-`parser`). One more trigger covers them all: a JSON object that opens with a tool's whole name,
-`{"name": "<tool>"`, which is where each variant's call begins and where a reply has committed to
-it (an earlier point would constrain every `{` or ```` ```json ```` of free text, code examples
-included). Its replay starts at that brace, so the lazy grammar's root has a second branch: one
-call, then at most the variant's closing tag and fence. The text before the brace (a fence, a tag)
-stays free. What none of the patterns catches (a variant whose opening token runs past the name
-with text the pattern does not list) stays free text and is still parsed: its call is reported
-only if its arguments are a JSON object, and the schema is not enforced on it.
+`parser`). Two more triggers cover them, both replayed from the call object's brace, so the lazy
+grammar's root has a second branch: one call, then at most the variant's closing tag and fence.
+The text before the brace (a fence, a tag) stays free.
+- A reply that opens with a call object (after a fence or a tag, or not): from `{"name"` on, while
+  the name is still a prefix of a tool's. Qwen2.5-Coder writes such replies, and left free it names
+  the call after the schema's title.
+- A call object anywhere that names a tool: `{"name": "<tool>"`, the name whole. An earlier point
+  would constrain every `{` or ```` ```json ```` of free text, code examples included.
+What none of the patterns catches (a token that runs past those points with text the pattern does
+not list, a call mid-reply whose name is not a tool's) stays free text and is still parsed: a call
+is reported only if it names a tool and its arguments are a JSON object; the schema is not
+enforced on it.
 """
 
 from __future__ import annotations
