@@ -40,7 +40,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Token ids in SmolLM2's vocabulary, which the tiny models share: their marker (<tool_call> for
 # hermes, [TOOL_CALLS] for mistral), and `{"`.
 MARKER, OPEN_OBJECT = 4, 39428
-HERMES_MARKER = MARKER
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +133,7 @@ def test_allowed_tools_restrict_the_call(servers: dict[str, str], fmt: str) -> N
     one_call(servers[fmt], "add", tool_choice=allowed)
 
 
-@pytest.mark.parametrize("fmt,bias", [("hermes", HERMES_MARKER), ("llama3", OPEN_OBJECT)])
+@pytest.mark.parametrize("fmt,bias", [("hermes", MARKER), ("llama3", OPEN_OBJECT), ("mistral", MARKER)])
 def test_auto_grammar_takes_over_at_the_marker(servers: dict[str, str], fmt: str, bias: int) -> None:
     """Pushed to open a call, random weights finish it validly: the lazy grammar fired on the marker
     (a control token for hermes, a reply opening an object for llama3). Only integers in the tool,
