@@ -136,7 +136,7 @@ def test_allowed_tools_restrict_the_call(servers: dict[str, str], fmt: str) -> N
 @pytest.mark.parametrize("fmt,bias", [("hermes", MARKER), ("llama3", OPEN_OBJECT), ("mistral", MARKER)])
 def test_auto_grammar_takes_over_at_the_marker(servers: dict[str, str], fmt: str, bias: int) -> None:
     """Pushed to open a call, random weights finish it validly: the lazy grammar fired on the marker
-    (a control token for hermes, a reply opening an object for llama3). Only integers in the tool,
+    (a control token for hermes and mistral, a reply opening an object for llama3). Only integers in the tool,
     so the bias cannot be satisfied inside a string."""
     one_call(servers[fmt], "add", tools=[ADD], tool_choice="auto", logit_bias={str(bias): 100})
 
