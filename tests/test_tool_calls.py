@@ -1,5 +1,5 @@
 """Tool calls on /v1/chat/completions with the `openai` client, on real llama.cpp: tiny random-weight
-models with a Hermes-style and a Llama-3-style template, and SmolLM2 (whose template knows nothing
+models with a Hermes-style, a Llama-3-style and a Mistral-style template, and SmolLM2 (whose template knows nothing
 of tools: the generic JSON mode).
 
 With `required`, a named function or allowed tools, the grammar holds from the first token, so even
@@ -10,6 +10,7 @@ pushed to open a call with a logit bias on the marker, after which the grammar t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -36,15 +37,16 @@ WEATHER = {"type": "function", "function": {
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# Token ids in SmolLM2's vocabulary, which the tiny models share: their hermes marker, and `{"`.
-HERMES_MARKER, OPEN_OBJECT = 4, 39428
+# Token ids in SmolLM2's vocabulary, which the tiny models share: their marker (<tool_call> for
+# hermes, [TOOL_CALLS] for mistral), and `{"`.
+MARKER, OPEN_OBJECT = 4, 39428
 
 
 @pytest.fixture(scope="module")
 def servers(tiny, smollm2: Path) -> Iterator[dict[str, str]]:
     with serve(tiny("llama", "hermes"), threads=1) as hermes, serve(tiny("llama", "llama3"), threads=1) as llama3, \
-            serve(smollm2, threads=1) as generic:
-        yield {"hermes": hermes, "llama3": llama3, "generic": generic}
+            serve(tiny("llama", "mistral"), threads=1) as mistral, serve(smollm2, threads=1) as generic:
+        yield {"hermes": hermes, "llama3": llama3, "mistral": mistral, "generic": generic}
 
 
 def client(url: str) -> openai.OpenAI:
@@ -101,7 +103,7 @@ def one_call(url: str, expected_name: str | None = None, **kwargs) -> None:
     check_call(calls[0]["name"], calls[0]["arguments"], expected_name)
 
 
-FORMATS = ["hermes", "llama3", "generic"]
+FORMATS = ["hermes", "llama3", "mistral", "generic"]
 
 
 def finishes(url: str) -> dict[str, float]:
@@ -131,10 +133,10 @@ def test_allowed_tools_restrict_the_call(servers: dict[str, str], fmt: str) -> N
     one_call(servers[fmt], "add", tool_choice=allowed)
 
 
-@pytest.mark.parametrize("fmt,bias", [("hermes", HERMES_MARKER), ("llama3", OPEN_OBJECT)])
+@pytest.mark.parametrize("fmt,bias", [("hermes", MARKER), ("llama3", OPEN_OBJECT), ("mistral", MARKER)])
 def test_auto_grammar_takes_over_at_the_marker(servers: dict[str, str], fmt: str, bias: int) -> None:
     """Pushed to open a call, random weights finish it validly: the lazy grammar fired on the marker
-    (a control token for hermes, a reply opening an object for llama3). Only integers in the tool,
+    (a control token for hermes and mistral, a reply opening an object for llama3). Only integers in the tool,
     so the bias cannot be satisfied inside a string."""
     one_call(servers[fmt], "add", tools=[ADD], tool_choice="auto", logit_bias={str(bias): 100})
 
@@ -183,15 +185,71 @@ def test_response_format_with_tool_choice_none(servers: dict[str, str]) -> None:
 
 def test_parallel_calls(servers: dict[str, str]) -> None:
     """SmolLM2, made to call add, calls it again and again when it may: several calls, each streamed
-    under its own index."""
+    under its own index, each whole (max_tokens cuts the last one, which is dropped)."""
     url = servers["generic"]
+    add = [{"role": "user", "content": "What is 2 + 3?"}]
+    whole = create(url, messages=add, tool_choice="required", max_tokens=64).choices[0]
+    assert len(whole.message.tool_calls) >= 2 and whole.finish_reason == "length"
+    for call in whole.message.tool_calls:
+        check_call(call.function.name, call.function.arguments)
+    content, calls, reason = streamed(url, messages=add, tool_choice="required", max_tokens=64)
+    assert len({c["id"] for c in calls}) == len(calls) and reason == "length"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+# --- the tool choice contract: one call when named, whole calls only ----------------------------
+
+
+ADD_QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def whole_and_streamed(url: str, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
+    """(content, [(name, arguments)], finish_reason), the same whole and streamed."""
+    whole = create(url, **kwargs).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    content, streamed_calls, reason = streamed(url, **kwargs)
+    assert (content, [(c["name"], c["arguments"]) for c in streamed_calls], reason) == (
+        whole.message.content or None, calls, whole.finish_reason)
+    return whole.message.content or None, calls, whole.finish_reason
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_named_choice_is_exactly_one_call(servers: dict[str, str], fmt: str) -> None:
+    """OpenAI's contract for a named function, with parallel calls allowed (the default): the
+    grammar ends after one call. SmolLM2 would repeat it until max_tokens (issue 19), the tiny
+    models too where their marker is pushed."""
     named = {"type": "function", "function": {"name": "add"}}
-    whole = create(url, tool_choice=named, max_tokens=60).choices[0]
-    assert len(whole.message.tool_calls) >= 2
-    for call in whole.message.tool_calls[:-1]:  # the last may be cut by max_tokens
-        check_call(call.function.name, call.function.arguments, "add")
-    _, calls, _ = streamed(url, tool_choice=named, max_tokens=60)
-    assert len(calls) >= 2 and len({c["id"] for c in calls}) == len(calls)
+    bias = {str(MARKER): 100} if fmt in ("hermes", "mistral") else None
+    content, calls, reason = whole_and_streamed(servers[fmt], messages=ADD_QUESTION, tool_choice=named,
+                                                max_tokens=64, logit_bias=bias)
+    assert (content, len(calls), reason) == (None, 1, "tool_calls")
+    check_call(*calls[0], "add")
+
+
+def tokens_until_arguments(url: str, **kwargs) -> int:
+    """How many tokens a reply takes to open its call's arguments object (greedy, so the same
+    request writes the same tokens)."""
+    whole = create(url, logprobs=True, **kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    text = ""
+    for i, token in enumerate(whole.logprobs.content):
+        text += token.token
+        if re.search(r'"(arguments|parameters)": ?\{', text):
+            assert len(whole.logprobs.content) > i + 3, "the arguments need a few tokens to be cut inside"
+            return i + 1
+    raise AssertionError(f"no arguments in {text!r}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_call_cut_by_max_tokens_is_dropped(servers: dict[str, str], fmt: str) -> None:
+    """A reply never carries arguments that do not parse: a call cut inside its arguments is not
+    reported, whole or streamed, and the finish reason says the reply was cut."""
+    url = servers[fmt]
+    request = {"messages": ADD_QUESTION, "tools": [ADD], "tool_choice": "required", "parallel_tool_calls": False}
+    cut = tokens_until_arguments(url, **request) + 2
+    content, calls, reason = whole_and_streamed(url, max_tokens=cut, **request)
+    assert (content, calls, reason) == (None, [], "length")
 
 
 def test_every_choice_gets_its_calls(servers: dict[str, str]) -> None:

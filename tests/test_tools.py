@@ -92,8 +92,41 @@ CASES = {
     ),
     "hermes-cut-before-arguments": (ToolFormat.HERMES, 'x <tool_call>{"name": "add", "argu',
                                     'x <tool_call>{"name": "add", "argu', []),
+    # a certain call that max_tokens cut is dropped, never reported with arguments that do not parse
     "hermes-cut-in-arguments": (ToolFormat.HERMES, 'x\n<tool_call>{"name": "add", "arguments": {"a": 1',
-                                "x", [("add", '{"a": 1')]),
+                                "x", []),
+    "hermes-arguments-not-json-are-text": (
+        ToolFormat.HERMES, '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', []),
+    "hermes-arguments-not-an-object-are-text": (
+        ToolFormat.HERMES, '<tool_call>{"name": "add", "arguments": NaN}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": NaN}</tool_call>', []),
+    # the variants Hermes-style models write (Qwen2.5-Coder: a fenced block)
+    "hermes-fenced-json": (ToolFormat.HERMES, 'Sure.\n```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```',
+                           "Sure.", [("add", '{"a": 2, "b": 3}')]),
+    "hermes-fenced-tag": (
+        ToolFormat.HERMES, '```\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n```\nDone.',
+        "\nDone.", [("add", "{}")]),
+    "hermes-other-tags": (
+        ToolFormat.HERMES, '<tools>{"name": "add", "arguments": {}}</tools>\n<JSON>{"name": "get_weather", '
+                           '"arguments": {"city": "P"}}</JSON>',
+        "", [("add", "{}"), ("get_weather", '{"city": "P"}')]),
+    "hermes-bare-object": (ToolFormat.HERMES, 'I call {"name": "add", "arguments": {"a": 1}}.',
+                           "I call.", [("add", '{"a": 1}')]),
+    # after a bare call, the closing tag and fence the grammar allows there are syntax too
+    "hermes-bare-object-then-closers": (
+        ToolFormat.HERMES, '{"name": "add", "arguments": {}}\n```\n{"name": "add", "arguments": {}}</tools>\n'
+                           '<tool_call>{"name": "add", "arguments": {}}</tool_call>\n</tool',
+        "\n</tool", [("add", "{}")] * 3),
+    "hermes-bare-object-then-text": (ToolFormat.HERMES, '{"name": "add", "arguments": {}}\n`x` </b>\n',
+                                     "\n`x` </b>", [("add", "{}")]),
+    "hermes-code-blocks-are-text": (
+        ToolFormat.HERMES, '```python\nx = {"a": 1}\n```\n```json\n{"name": "Bob"}\n```\n``` {"x"',
+        '```python\nx = {"a": 1}\n```\n```json\n{"name": "Bob"}\n```\n``` {"x"', []),
+    "hermes-opening-inside-a-false-one": (
+        ToolFormat.HERMES, '{ <tool_call>{"name": "add", "arguments": {}}</tool_call>', "{", [("add", "{}")]),
+    "hermes-unknown-tag-is-text": (ToolFormat.HERMES, '<call>{"name": "rm", "arguments": {}}</call>',
+                                   '<call>{"name": "rm", "arguments": {}}</call>', []),
     "mistral": (
         ToolFormat.MISTRAL,
         '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {}}]',
@@ -112,6 +145,12 @@ CASES = {
         "", [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "P"}')],
     ),
     "generic-not-json": (ToolFormat.GENERIC, "plain words", "plain words", []),
+    "generic-cut-second-call": (
+        ToolFormat.GENERIC, '{"tool_calls": [{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"',
+        "", [("add", '{"a": 1}')]),
+    "mistral-cut-second-call": (
+        ToolFormat.MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {}}, {"name": "get_weather", "arguments": {"c',
+        "", [("add", "{}")]),
 }
 
 
@@ -152,18 +191,45 @@ def test_parser_finish_reason() -> None:
 # --- trigger patterns and grammars ---------------------------------------------------------------
 
 
+def search(pattern: str, text: str) -> re.Match | None:
+    """llama.cpp's search (ECMAScript, where `$` is only the end of the text, as Python's `\\Z`)."""
+    return re.search(re.sub(r"\$$", r"\\Z", pattern), text)
+
+
 def test_trigger_patterns_fire_only_on_a_prefix_the_grammar_accepts() -> None:
     """llama.cpp replays the text from the pattern's first group into the grammar and aborts if the
     grammar rejects it, so a pattern must never match a marker followed by anything else."""
     hermes = tool_grammar(ToolFormat.HERMES, [ADD], required=False, parallel=True, opening_token=None)
-    (pattern,) = hermes.trigger_patterns
+    pattern, *_ = hermes.trigger_patterns
     fires = ["x <tool_call>", "<tool_call>\n", '<tool_call>\n{"', '<tool_call>{ "nam', '<tool_call> {"name"']
     never = ['<tool_call>"', "<tool_call>x", '<tool_call>{"name":', "<tool_call>\n\n\n{", "<tool_call"]
-    assert all(re.search(pattern, text) for text in fires)
-    assert not any(re.search(pattern, text) for text in never)
+    assert all(search(pattern, text) for text in fires)
+    assert not any(search(pattern, text) for text in never)
     (llama3,) = tool_grammar(ToolFormat.LLAMA3, [ADD], required=False, parallel=False,
                              opening_token=None).trigger_patterns
-    assert re.search(llama3, '  {"na') and not re.search(llama3, 'Sure {"na') and not re.search(llama3, "{'")
+    assert search(llama3, '  {"na') and not search(llama3, 'Sure {"na') and not search(llama3, "{'")
+
+
+def test_variant_triggers() -> None:
+    """The Hermes variants' triggers: a reply that opens with `{"name"` (in a fence or a tag or not),
+    or a call object that names a tool wherever it stands; the replay starts at the brace."""
+    grammar = tool_grammar(ToolFormat.HERMES, [ADD, WEATHER], required=False, parallel=True, opening_token=None)
+    _, leading, variant = grammar.trigger_patterns
+    opens = ['{"name"', ' \n```json\n{"name": "ad', '```\n<tool_call>\n{ "name": "', '<tools>{"name":']
+    for text in opens:
+        match = search(leading, text)
+        assert match and text[match.start(1):].startswith("{"), text
+    assert not any(search(leading, text) for text in ['x {"name"', '{"nam', '{"name": "addx', '```py\n{"name"'])
+    fires = ['```json\n{"name": "add"', 'x {"name":"get_weather"', '{ "name": "add",', '{"name": "add", "argum',
+             '<tools>{"name": "add", "arguments":']
+    never = ['{"name": "ad', '{"name": "addx"', '{"name": "add", "arguments": {', '{"name": "add"\n', '{"key": "add"',
+             '{"name": "rm"']
+    for text in fires:
+        match = search(variant, text)
+        assert match and text[match.start(1):].startswith("{"), text
+    assert not any(search(variant, text) for text in never)
+    required = tool_grammar(ToolFormat.HERMES, [ADD], required=True, parallel=True, opening_token=None)
+    assert required.trigger_patterns == () and "```" not in required.gbnf.splitlines()[0]
 
 
 @pytest.fixture(scope="module")
@@ -288,3 +354,58 @@ def test_history_in_the_generic_mode() -> None:
     assert json.loads(messages[1]["content"]) == {
         "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": "{not json"}]}
     assert messages[2] == {"role": "user", "content": "Result of add (call call_abc):\n3"}
+
+
+# --- where the grammar lets the model stop ------------------------------------------------------
+
+
+def eog_allowed(model: Model, sampler: Sampler) -> bool:
+    eos = llama_cpp.llama_vocab_eos(model.vocab)
+    return eos in allowed_tokens(sampler, model.info.n_vocab)
+
+
+def sampler_after(model: Model, plan_choice: ToolChoice, parallel: bool, text: str, fmt=ToolFormat.HERMES) -> Sampler:
+    plan = plan_tools(fmt, model, [ADD, WEATHER], plan_choice, parallel)
+    sampler = Sampler(model, SamplingParams(temperature=0.0, grammar=plan.grammar.gbnf,
+                                            grammar_trigger_patterns=plan.grammar.trigger_patterns,
+                                            grammar_trigger_tokens=plan.grammar.trigger_tokens))
+    accept(sampler, model.tokenize(text, add_special=False, parse_special=True))
+    return sampler
+
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("choice,parallel,another", [
+    (ToolChoice(Mode.REQUIRED), True, True), (ToolChoice(Mode.AUTO), True, True),
+    (ToolChoice(Mode.REQUIRED), False, False), (ToolChoice.function("add"), True, False)])
+def test_the_model_may_stop_after_each_call(hermes_model: Model, choice: ToolChoice, parallel: bool,
+                                            another: bool) -> None:
+    """After a complete call (and a newline) the end of generation is allowed; another call only
+    where parallel calls are, which a named choice never allows."""
+    for text in (CALL, CALL + "\n", f"{CALL}\n{CALL}" if another else CALL):
+        sampler = sampler_after(hermes_model, choice, parallel, text)
+        try:
+            assert eog_allowed(hermes_model, sampler), text
+            pieces = {hermes_model.token_text(t) for t in allowed_tokens(sampler, hermes_model.info.n_vocab)}
+            assert ("<tool_call>" in pieces) is another, pieces
+        finally:
+            sampler.close()
+
+
+@pytest.mark.parametrize("text,rest", [
+    ('Sure.\n```json\n{"name": "add"', ', "arguments": {"a": 1, "b": 2}}\n```'),
+    ('x <tools>{"name": "add", "argu', 'ments": {"a": 1, "b": 2}}</tools>'),
+    ('{ "name": "get_weather",', ' "arguments": {"city": "P"}}'),
+    ('```json\n{"name": "', 'add", "arguments": {"a": 1, "b": 2}}\n```')])
+def test_variant_trigger_replays_into_the_grammar(hermes_model: Model, text: str, rest: str) -> None:
+    """The variant trigger fires (the grammar holds: not every token is allowed) and its replay is
+    accepted (a rejected replay would abort this process); the call then closes, with its fence
+    or tag, and may end."""
+    sampler = sampler_after(hermes_model, ToolChoice(Mode.AUTO), True, text)
+    try:
+        assert len(allowed_tokens(sampler, hermes_model.info.n_vocab)) < hermes_model.info.n_vocab
+        accept(sampler, hermes_model.tokenize(rest, add_special=False))
+        assert eog_allowed(hermes_model, sampler)
+    finally:
+        sampler.close()

@@ -79,7 +79,7 @@ def _tool_choice(choice: ToolChoiceField | None) -> ToolChoice:
     if isinstance(choice, str):
         return ToolChoice(Mode(choice))
     if isinstance(choice, NamedToolChoice):
-        return ToolChoice(Mode.REQUIRED, (choice.function.name,))
+        return ToolChoice.function(choice.function.name)
     allowed = choice.allowed_tools
     return ToolChoice(Mode(allowed.mode), tuple(t.function.name for t in allowed.tools))
 

@@ -17,8 +17,9 @@ TEMPLATES, written here in the style of two tool-calling families so that
 format detection and tool grammars run on real llama.cpp: "hermes" (Hermes 2
 Pro / Qwen 2.5: calls in <tool_call> tags, which this model's vocabulary holds
 as single control tokens, as a Qwen or Mistral vocabulary holds its markers)
-and "llama3" (Llama 3.1: the reply is the call's JSON, results come back as
-ipython messages).
+"llama3" (Llama 3.1: the reply is the call's JSON, results come back as
+ipython messages) and "mistral" (Mistral v3: [TOOL_CALLS] and a JSON array of
+calls, [TOOL_CALLS] a single control token too).
 
 Public API: write_tiny_model(arch, path, seed, template) and the per-directory
 cache tiny_model(arch, directory, template), for arch in ARCHS and template in
@@ -157,10 +158,22 @@ object of argument names and values}.
 
 {% endif %}"""
 
-TEMPLATES: dict[str, str] = {"hermes": _HERMES_TEMPLATE, "llama3": _LLAMA3_TEMPLATE}
-# The hermes model's vocabulary spells its markers as single control tokens, in place of two of
-# SmolLM2's unused ones.
-_HERMES_TOKENS = {4: "<tool_call>", 5: "</tool_call>"}
+_MISTRAL_TEMPLATE = """\
+{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{% for message in messages %}
+{% if message.role == 'user' or message.role == 'system' %}[INST]{{ message.content }}[/INST]\
+{% elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS][\
+{% for call in message.tool_calls %}{"name": "{{ call.function.name }}", "arguments": \
+{{ call.function.arguments | tojson }}, "id": "{{ call.id }}"}{% if not loop.last %}, {% endif %}{% endfor %}]</s>\
+{% elif message.role == 'tool' %}[TOOL_RESULTS]{"content": {{ message.content | tojson }}, \
+"call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]\
+{% else %}{{ message.content }}</s>{% endif %}
+{% endfor %}"""
+
+TEMPLATES: dict[str, str] = {"hermes": _HERMES_TEMPLATE, "llama3": _LLAMA3_TEMPLATE, "mistral": _MISTRAL_TEMPLATE}
+# The hermes and mistral models' vocabularies spell their markers as single control tokens, in place
+# of SmolLM2's unused ones.
+_MARKER_TOKENS = {"hermes": {4: "<tool_call>", 5: "</tool_call>"}, "mistral": {4: "[TOOL_CALLS]"}}
 
 
 def _tokenizer_with_template(template: str | None) -> list[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
@@ -172,8 +185,9 @@ def _tokenizer_with_template(template: str | None) -> list[tuple[str, Any, gguf.
     for i, (key, value, vtype, sub_type) in enumerate(fields):
         if key == "tokenizer.chat_template":
             fields[i] = (key, TEMPLATES[template], vtype, sub_type)
-        elif key == "tokenizer.ggml.tokens" and template == "hermes":
-            fields[i] = (key, [_HERMES_TOKENS.get(t, text) for t, text in enumerate(value)], vtype, sub_type)
+        elif key == "tokenizer.ggml.tokens" and template in _MARKER_TOKENS:
+            markers = _MARKER_TOKENS[template]
+            fields[i] = (key, [markers.get(t, text) for t, text in enumerate(value)], vtype, sub_type)
     return fields
 
 

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import enum
 
+# Tags a Hermes-style model may wrap a call in besides <tool_call>, each closed by its own </tag>: the
+# ones llama.cpp's Hermes parser accepts (Hermes 2 Pro and Qwen 2.5 fine-tunes write them).
+HERMES_TAGS = ("tool_call", "function_call", "tool", "tools", "response", "json", "xml", "JSON")
+# A Markdown fence around a call, as Qwen2.5-Coder writes one under `auto`: ```json, ```xml or ```.
+FENCE = "```"
+FENCE_LANGUAGES = ("", "json", "xml")
+
 
 class ToolFormat(str, enum.Enum):
     HERMES = "hermes"  # Hermes 2 Pro, Qwen 2.5/3: <tool_call>{"name": ..., "arguments": ...}</tool_call>
@@ -16,6 +23,14 @@ class ToolFormat(str, enum.Enum):
     def opening(self) -> str | None:
         """The text that opens the calls; None where the calls are the reply itself."""
         return {ToolFormat.HERMES: "<tool_call>", ToolFormat.MISTRAL: "[TOOL_CALLS]"}.get(self)
+
+    @property
+    def openings(self) -> tuple[str, ...]:
+        """Every text that may open calls in the middle of a reply: the marker and, for Hermes, the
+        variants its models write (another tag, a fence, or a bare `{"name": ...}` object)."""
+        if self is ToolFormat.HERMES:
+            return (*(f"<{tag}>" for tag in HERMES_TAGS), FENCE, "{")
+        return (self.opening,) if self.opening else ()
 
     @property
     def arguments_key(self) -> str:

@@ -1,11 +1,28 @@
 """GBNF for tool calls: the tools' schemas through the converter `response_format` uses, wrapped in
 each format's call syntax.
 
+Every grammar ends where the calls may end: after each complete call the model may stop (end of
+generation), or, where `parallel` allows, open another. A named tool choice is one call.
+
 A lazy grammar (`auto` on a format with an opening marker) waits for its trigger; llama.cpp then
 replays the text from the trigger's first group to the end of what was generated into the grammar,
 and a replay the grammar rejects aborts the process. So each trigger pattern matches only where the
 text after the marker is a prefix the grammar accepts: the marker, then a prefix of the fixed
 opening of a call, then the end of the text.
+
+Hermes models also write calls in variants (another tag, a Markdown fence, a bare object; see
+`parser`). Two more triggers cover them, both replayed from the call object's brace, so the lazy
+grammar's root has a second branch: one call, then at most the variant's closing tag and fence.
+The text before the brace (a fence, a tag) stays free.
+- A reply that opens with a call object (after a fence or a tag, or not): from `{"name"` on, while
+  the name is still a prefix of a tool's. Qwen2.5-Coder writes such replies, and left free it names
+  the call after the schema's title.
+- A call object anywhere that names a tool: `{"name": "<tool>"`, the name whole. An earlier point
+  would constrain every `{` or ```` ```json ```` of free text, code examples included.
+What none of the patterns catches (a token that runs past those points with text the pattern does
+not list, a call mid-reply whose name is not a tool's) stays free text and is still parsed: a call
+is reported only if it names a tool and its arguments are a JSON object; the schema is not
+enforced on it.
 """
 
 from __future__ import annotations
@@ -18,7 +35,7 @@ from typing import Any, Callable
 
 from llama_cpp.llama_grammar import SchemaConverter, json_schema_to_gbnf
 
-from kvserve.tools.formats import ToolFormat
+from kvserve.tools.formats import FENCE, HERMES_TAGS, ToolFormat
 from kvserve.tools.spec import FunctionTool, ToolError
 
 # Whitespace the wrappers allow around a call, bounded so a weak model cannot stall in it.
@@ -61,10 +78,15 @@ def tool_grammar(fmt: ToolFormat, tools: list[FunctionTool], *, required: bool, 
         return ToolGrammar(f"root ::= {reply}\n{rules}")
     assert tools, "a format with call syntax needs a tool to call"
     rules, call = _converted(tools, fmt.arguments_key, "call", lambda call: call)
-    gbnf = f"root ::= {_wrapped_root(fmt, call, parallel)}\n{_WS_RULE}\n{rules}"
+    root = _wrapped_root(fmt, call, parallel)
     if required:
-        return ToolGrammar(gbnf)
-    return ToolGrammar(gbnf, (_trigger_pattern(fmt),), (opening_token,) if opening_token is not None else ())
+        return ToolGrammar(f"root ::= {root}\n{_WS_RULE}\n{rules}")
+    patterns = (_trigger_pattern(fmt),)
+    if fmt is ToolFormat.HERMES:
+        root = f"{root} | {_variant_root(call)}"
+        patterns += (_leading_variant_pattern(tools), _variant_trigger_pattern(tools, fmt.arguments_key))
+    gbnf = f"root ::= {root}\n{_WS_RULE}\n{rules}"
+    return ToolGrammar(gbnf, patterns, (opening_token,) if opening_token is not None else ())
 
 
 def _converted(tools: list[FunctionTool], arguments_key: str, top: str,
@@ -122,11 +144,36 @@ def _namespaced(schema: dict[str, Any], prefix: str) -> dict[str, Any]:
 def _wrapped_root(fmt: ToolFormat, call: str, parallel: bool) -> str:
     if fmt is ToolFormat.HERMES:
         one = f'"<tool_call>" ws {call} ws "</tool_call>"'
-        return f"{one} (ws {one})*" if parallel else one
+        return f"{one} (ws {one})* ws" if parallel else f"{one} ws"
     if fmt is ToolFormat.MISTRAL:
         more = f' ("," " "? {call})*' if parallel else ""
         return f'"[TOOL_CALLS]" " "? "[" " "? {call}{more} "]"'
     return call  # LLAMA3: one call is the whole reply
+
+
+def _variant_root(call: str) -> str:
+    """A Hermes variant's call from its brace on: then its closing tag, its closing fence, or neither."""
+    closers = " | ".join(f'"</{tag}>"' for tag in HERMES_TAGS)
+    return f'{call} ws (({closers}) ws)? ("{FENCE}" ws)?'
+
+
+def _leading_variant_pattern(tools: list[FunctionTool]) -> str:
+    """A reply that opens with a call object (in a fence or a tag or not): from `{"name"` on, before
+    its name is whole, so that the grammar also holds the name to a tool's."""
+    names = "|".join(_prefixes([_literal(c) for c in tool.name]) for tool in tools)
+    fence = f"(?:{_literal(FENCE)}(?:json|xml)?\\n[ \\t\\n]*)?"
+    tag = f"(?:<(?:{'|'.join(HERMES_TAGS)})>[ \\t\\n]*)?"
+    head = f'({_literal("{")} ?"name")'
+    name = '"(?:' + names + ")"
+    return f"^[ \\t\\n]*{fence}{tag}{head}{_prefixes([' ?', ':', ' ?', name])}$"
+
+
+def _variant_trigger_pattern(tools: list[FunctionTool], arguments_key: str) -> str:
+    """`{"name": "<tool>"` (as the converter's rules space it), then any prefix of what follows."""
+    names = "|".join(_literal(tool.name) for tool in tools)
+    head = f'({_literal("{")} ?"name" ?: ?"(?:{names})")'
+    key = [_literal(c) for c in '"' + arguments_key + '"']
+    return f"{head}{_prefixes([',', ' ?', *key, ' ?', ':'])}$"
 
 
 def _trigger_pattern(fmt: ToolFormat) -> str:

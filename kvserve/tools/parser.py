@@ -1,18 +1,31 @@
 """Generated text to content and tool calls, as it streams.
 
 The parser is a character-driven state machine per format. It holds back only what could still be
-call syntax (the start of an opening marker, whitespace before it, a call whose name is not yet
-read), so content streams as generated and no byte of a reported call's syntax reaches it. Text
-that looked like a call but is not one (free text the grammar never constrained) is content.
+call syntax (the start of an opening, whitespace before it, a call not yet complete), so content
+streams as generated and no byte of a reported call's syntax reaches it. Text that looked like a
+call but is not one (free text the grammar never constrained) is content: the first character of
+the false opening goes out and the rest is read again, so a real opening inside it is still found.
+
+A call is reported whole once its closing brace is read, and only if its arguments are a JSON
+object: a reply never carries a call whose arguments do not parse. A call the text ends inside is
+dropped once it was certain (a known tool's name, then the arguments key): its text is syntax, not
+content, and the reply's finish reason (`length`, or a stop sequence's `stop`) says it was cut.
+Before that point such text is content.
+
+Hermes models write their calls in variants besides `<tool_call>{...}</tool_call>`: another tag
+(`formats.HERMES_TAGS`), a Markdown fence (```` ```json ````, optionally around a tag), or a bare
+`{"name": ..., "arguments": ...}` object anywhere in the reply. All of them are calls.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import json
 from dataclasses import dataclass, field
 from typing import Generator, Iterable, Union
 
-from kvserve.tools.formats import ToolFormat
+from kvserve.tools.formats import FENCE, FENCE_LANGUAGES, HERMES_TAGS, ToolFormat
 from kvserve.tools.spec import ToolCall, new_call_id
 
 TOOL_CALLS = "tool_calls"  # the finish reason of a reply that called tools
@@ -44,6 +57,8 @@ _REPLACEMENT = "\ufffd"
 
 # Each step receives the next character (None: the text ended) and returns the first one it did not consume.
 Steps = Generator[None, Union[str, None], Union[str, None]]
+# The same, for a step that also returns what it read.
+Reads = Generator[None, Union[str, None], tuple[str, Union[str, None]]]
 
 
 class _NotACall(Exception):
@@ -78,6 +93,8 @@ class ToolCallParser:
         self._pending = ""  # content held back: trailing whitespace and a possible start of the marker
         self._held_ws = ""  # whitespace before a possible call: dropped if it is one
         self._raw: list[str] | None = None  # text of a possible call, while it may still be content
+        self._open: _Call | None = None  # a certain call whose closing brace is not read yet
+        self._queue: collections.deque[str] = collections.deque()  # text to read, false openings first
         self._current: str | None = None
         self._done = False
         self._machine = self._run()
@@ -96,18 +113,28 @@ class ToolCallParser:
         return TOOL_CALLS if self._calls and reason == "stop" else reason
 
     def feed(self, text: str) -> list[ToolEvent]:
-        for ch in text:
+        self._queue.extend(text)
+        self._read_queue()
+        return self._take()
+
+    def _read_queue(self) -> None:
+        while self._queue:
+            ch = self._queue.popleft()
             if self._raw is not None:
                 self._raw.append(ch)
             self._current = ch
             self._machine.send(ch)
-        return self._take()
 
     def finish(self) -> list[ToolEvent]:
         if not self._done:
             self._done = True
-            with contextlib.suppress(StopIteration):
-                self._machine.send(None)
+            while True:  # the end; a false opening's text read again ends it again
+                self._current = None
+                with contextlib.suppress(StopIteration):
+                    self._machine.send(None)
+                if not self._queue:
+                    break
+                self._read_queue()
             if self._pending and not (self._calls and self._pending.isspace()):
                 self._emit_content(self._pending)
             self._pending = ""
@@ -133,30 +160,43 @@ class ToolCallParser:
             self._content.append(text)
             self._events.append(ContentDelta(text))
 
-    def _start_call(self, name: str) -> int:
-        """The call is certain: what was held for it is syntax, not content."""
+    def _start_call(self, name: str) -> None:
+        """The call is certain: cut from here on, it is dropped."""
+        self._open = _Call(new_call_id(), name)
+
+    def _commit_call(self) -> None:
+        """The call's closing brace: reported whole if its arguments are a JSON object, and what
+        was held for it is syntax, not content."""
+        call, self._open = self._open, None
+        assert call is not None
+        if not _is_json_object("".join(call.arguments)):
+            raise _NotACall
         self._raw = None
         self._held_ws = ""
-        self._calls.append(_Call(new_call_id(), name))
-        self._events.append(CallStarted(len(self._calls) - 1, self._calls[-1].id, name))
-        return len(self._calls) - 1
-
-    def _arguments(self, index: int, ch: str) -> None:
-        self._calls[index].arguments.append(ch)
-        self._events.append(ArgumentsDelta(index, ch))
+        self._calls.append(call)
+        index = len(self._calls) - 1
+        self._events += [CallStarted(index, call.id, call.name), ArgumentsDelta(index, "".join(call.arguments))]
 
     def _give_back(self) -> None:
-        """A possible call was not one: its text (and the whitespace before it) is content."""
-        if self._raw is not None:
-            self._emit_content(self._held_ws + "".join(self._raw))
-        self._raw = None
-        self._held_ws = ""
+        """A possible call was not one: the whitespace before it and its first character are
+        content, and the rest of its text is read again."""
+        raw = self._raw or []
+        self._emit_content(self._held_ws + "".join(raw[:1]))
+        self._queue.extendleft(reversed(raw[1:]))
+        self._raw, self._held_ws, self._open = None, "", None
+
+    def _ended(self) -> None:
+        """The text ended inside call syntax: a certain call is dropped; anything else held is content."""
+        held = self._held_ws + "".join(self._raw or [])
+        if self._open is None and not (self._calls and held.isspace()):
+            self._emit_content(held)
+        self._raw, self._held_ws, self._open = None, "", None
 
     # -- the machine -----------------------------------------------------------------------------
 
     def _run(self) -> Steps:
-        opening = self._fmt.opening
-        leading = opening is None  # LLAMA3 and GENERIC: only the reply's start can be a call
+        openings = self._fmt.openings
+        leading = not openings  # LLAMA3 and GENERIC: only the reply's start can be a call
         if leading:
             self._raw = []
         ch = yield
@@ -166,13 +206,13 @@ class ToolCallParser:
                     leading = False
                     ch = yield from self._leading_reply(ch)
                 else:
-                    ch = yield from self._content_then_calls(ch, opening)
+                    ch = yield from self._content_then_calls(ch, openings)
             except _NotACall:
-                started = self._raw is None
+                held = self._raw is not None
                 self._give_back()
-                ch = self._current if started else (yield)
+                ch = (yield) if held else self._current  # after a reported call, this character is content
             except _Ended:
-                self._give_back()
+                self._ended()
                 return None
         return None
 
@@ -180,19 +220,28 @@ class ToolCallParser:
         ch = yield from self._ws(ch)
         if self._fmt is ToolFormat.GENERIC:
             return (yield from self._generic_reply(ch))
-        if ch != "{":
-            raise _NotACall
         return (yield from self._call(ch))
 
-    def _content_then_calls(self, ch: str | None, opening: str | None) -> Steps:
-        if not (yield from self._read_content(ch, opening)):
+    def _content_then_calls(self, ch: str | None, openings: tuple[str, ...]) -> Steps:
+        opening = yield from self._read_content(ch, openings)
+        if opening is None:
             return None
         self._raw = list(opening)
-        ch = yield  # the character after the marker
-        if self._fmt is ToolFormat.HERMES:
-            ch = yield from self._call(ch)
-            return (yield from self._literal("</tool_call>", ch))
-        ch = yield from self._literal("[", ch)  # MISTRAL: a JSON array of calls
+        ch = yield  # the character after the opening
+        if self._fmt is ToolFormat.MISTRAL:
+            return (yield from self._call_list(ch))
+        if opening == "{":  # a bare call, whose variant's closing tag and fence may follow
+            ch = yield from self._call_body(ch)
+            ch = yield from self._optional(ch, tuple(f"</{tag}>" for tag in HERMES_TAGS))
+            return (yield from self._optional(ch, (FENCE,)))
+        if opening == FENCE:
+            return (yield from self._fenced(ch))
+        ch = yield from self._call(ch)
+        return (yield from self._literal(f"</{opening[1:-1]}>", ch))
+
+    def _call_list(self, ch: str | None) -> Steps:
+        """`[call, ...]`."""
+        ch = yield from self._literal("[", ch)
         ch = yield from self._call(ch)
         ch = yield from self._ws(ch)
         while ch == ",":
@@ -200,25 +249,63 @@ class ToolCallParser:
             ch = yield from self._ws(ch)
         return (yield from self._literal("]", ch))
 
-    def _read_content(self, ch: str | None, opening: str | None) -> Generator[None, Union[str, None], bool]:
-        """Content up to and including the opening marker: True once it is read, False at the end."""
+    def _fenced(self, ch: str | None) -> Steps:
+        """After the fence: a language and a newline, a call (in a tag or not), the closing fence."""
+        _, ch = yield from self._one_of(tuple(f"{language}\n" for language in FENCE_LANGUAGES), ch)
+        ch = yield from self._ws(ch)
+        tag = None
+        if ch == "<":
+            tag, ch = yield from self._one_of(tuple(f"<{tag}>" for tag in HERMES_TAGS), ch)
+        ch = yield from self._call(ch)
+        if tag is not None:
+            ch = yield from self._literal(f"</{tag[1:-1]}>", ch)
+        return (yield from self._literal(FENCE, ch))
+
+    def _optional(self, ch: str | None, texts: tuple[str, ...]) -> Steps:
+        """One of `texts` after whitespace, read as syntax if it comes whole; else what was read
+        here is read again as what follows."""
+        self._raw = [ch] if ch is not None else []
+        try:
+            _, ch = yield from self._one_of(texts, (yield from self._ws(ch)))
+        except _NotACall:
+            raw, self._raw = self._raw, None
+            self._queue.extendleft(reversed(raw))
+            return (yield)
+        self._raw = None
+        return ch
+
+    def _one_of(self, texts: tuple[str, ...], ch: str | None) -> Reads:
+        """One of `texts` (none a prefix of another), from `ch` on: returns (it, the next character)."""
+        read = ""
+        while read not in texts:
+            if ch is None:
+                raise _Ended
+            read += ch
+            if not any(text.startswith(read) for text in texts):
+                raise _NotACall
+            ch = yield
+        return read, ch
+
+    def _read_content(self, ch: str | None, openings: tuple[str, ...]) -> Steps:
+        """Content up to and including an opening: returns it once read, None at the end."""
         while ch is not None:
             self._pending += ch
-            if opening is not None and self._pending.endswith(opening):
+            opening = next((o for o in openings if self._pending.endswith(o)), None)
+            if opening is not None:
                 self._held_ws = self._pending[: -len(opening)]  # only whitespace: the rest went out
                 self._pending = ""
-                return True
-            cut = self._safe_length(opening)
+                return opening
+            cut = self._safe_length(openings)
             self._emit_content(self._pending[:cut])
             self._pending = self._pending[cut:]
             ch = yield
-        return False
+        return None
 
-    def _safe_length(self, opening: str | None) -> int:
-        """How much of the pending content can be neither the marker's start nor whitespace before it."""
+    def _safe_length(self, openings: tuple[str, ...]) -> int:
+        """How much of the pending content can be neither an opening's start nor whitespace before it."""
         pending = self._pending
-        keep = next((k for k in range(min(len(pending), len(opening or "") - 1), 0, -1)
-                     if pending.endswith(opening[:k])), 0) if opening else 0
+        keep = max((k for opening in openings for k in range(1, min(len(pending), len(opening) - 1) + 1)
+                    if pending.endswith(opening[:k])), default=0)
         cut = len(pending) - keep
         while cut > 0 and pending[cut - 1] in _WS:
             cut -= 1
@@ -247,17 +334,27 @@ class ToolCallParser:
         return (yield from self._literal("}", ch))
 
     def _call(self, ch: str | None) -> Steps:
-        """`{"name": "<tool>", "<arguments key>": <value>}`, the value streamed as it comes."""
+        """`{"name": "<tool>", "<arguments key>": <object>}`, reported at its closing brace."""
+        if self._raw is None:  # a call after a reported one: its text is held again
+            self._raw = [ch] if ch is not None else []
         ch = yield from self._literal("{", ch)
+        return (yield from self._call_body(ch))
+
+    def _call_body(self, ch: str | None) -> Steps:
+        """A call after its opening brace."""
         ch = yield from self._key("name", ch)
         name, ch = yield from self._string(ch)
         if name not in self._names:
             raise _NotACall
         ch = yield from self._literal(",", ch)
         ch = yield from self._key(self._fmt.arguments_key, ch)
-        index = self._start_call(name)
-        ch = yield from self._value(ch, index)
-        return (yield from self._literal("}", ch))
+        self._start_call(name)
+        ch = yield from self._value(ch)
+        ch = yield from self._ws(ch)
+        if ch != "}":
+            raise _NotACall
+        self._commit_call()
+        return (yield)
 
     def _key(self, key: str, ch: str | None) -> Steps:
         ch = yield from self._ws(ch)
@@ -267,14 +364,16 @@ class ToolCallParser:
         ch = yield from self._literal(":", ch)
         return (yield from self._ws(ch))
 
-    def _value(self, ch: str | None, index: int) -> Steps:
-        """One JSON value, copied to the call's arguments; ends after its last character."""
+    def _value(self, ch: str | None) -> Steps:
+        """One JSON value, copied to the open call's arguments; ends after its last character."""
+        assert self._open is not None
+        arguments = self._open.arguments
         depth, in_string, escaped = 0, False, False
         while True:
             if ch is None:
                 raise _Ended
             if in_string:
-                self._arguments(index, ch)
+                arguments.append(ch)
                 if escaped:
                     escaped = False
                 elif ch == "\\":
@@ -285,17 +384,17 @@ class ToolCallParser:
                         return (yield)
             elif ch in "{[":
                 depth += 1
-                self._arguments(index, ch)
+                arguments.append(ch)
             elif ch in "}]" or (depth == 0 and (ch in _WS or ch == ",")):
                 if depth == 0:
                     return ch  # the end of a number or literal
                 depth -= 1
-                self._arguments(index, ch)
+                arguments.append(ch)
                 if depth == 0:
                     return (yield)
             else:
                 in_string = ch == '"'
-                self._arguments(index, ch)
+                arguments.append(ch)
             ch = yield
 
     def _string(self, ch: str | None, sink=None) -> Steps:
@@ -365,3 +464,14 @@ class ToolCallParser:
                 raise _Ended if ch is None else _NotACall
             ch = yield
         return ch
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text, parse_constant=_reject), dict)
+    except ValueError:
+        return False
+
+
+def _reject(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")

@@ -79,9 +79,10 @@ def plan_tools(fmt: ToolFormat, model: Model, tools: list[FunctionTool], choice:
                parallel: bool = True) -> ToolPlan | None:
     """The plan for a request with `tools`. With the choice `none` the tools stay unseen: there is
     no plan, except in the generic mode, whose replies keep their JSON shape (an answer only), the
-    shape the conversation so far has shown the model. Raises ToolError for tools or a choice that
-    cannot be served."""
+    shape the conversation so far has shown the model. A named choice makes one call whatever
+    `parallel` says. Raises ToolError for tools or a choice that cannot be served."""
     check_tools(tools, choice)
+    parallel = parallel and not choice.named
     if choice.mode is Mode.NONE and fmt is not ToolFormat.GENERIC:
         return None
     allowed = set(choice.allowed) if choice.allowed is not None else None

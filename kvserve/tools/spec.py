@@ -45,10 +45,16 @@ class Mode(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """`allowed`: the names the model may call (a named choice is REQUIRED with one name); None: all."""
+    """`allowed`: the names the model may call; None: all. A named choice (`named`) is REQUIRED with
+    one name, and exactly one call: OpenAI's contract for a named function."""
 
     mode: Mode = Mode.AUTO
     allowed: tuple[str, ...] | None = None
+    named: bool = False
+
+    @staticmethod
+    def function(name: str) -> "ToolChoice":
+        return ToolChoice(Mode.REQUIRED, (name,), named=True)
 
 
 @dataclass(frozen=True)
