@@ -286,3 +286,32 @@ def test_an_unexpected_exception_is_an_openai_500_logged_with_the_request_id_and
     assert [r.request_id for r in logged] == ["req-broken-1"]
     assert page.value("kvserve_unexpected_errors_total", route=CHAT) == 1
     assert page.value("kvserve_unexpected_errors_total", route="/v1/completions") == 0
+
+
+def test_a_schema_is_converted_off_the_event_loop(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one request's schema is being converted, the server still answers others."""
+    from conftest import served
+    from kvserve.server import prompts
+
+    entered, release = threading.Event(), threading.Event()
+    convert = prompts.json_schema_to_gbnf
+
+    def slow(schema: str) -> str:
+        entered.set()
+        release.wait(timeout=30)  # on the loop this would hold every other request up to here
+        return convert(schema)
+
+    with served(tiny("llama"), threads=1, parallel=2) as (url, _):
+        monkeypatch.setattr(prompts, "json_schema_to_gbnf", slow)
+        answers: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{url}{CHAT}", json=formatted({"type": "integer"}), timeout=60)))
+        sender.start()
+        try:
+            assert entered.wait(timeout=30)
+            health = httpx.get(f"{url}/health", timeout=10)
+        finally:
+            release.set()
+            sender.join()
+    assert health.status_code == 200
+    assert answers[0].status_code == 200, answers[0].text
