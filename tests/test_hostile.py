@@ -95,6 +95,8 @@ CORPUS: dict[str, Case] = {
         "type": "object", "properties": {f"p{i}": {"allOf": [{"$ref": "#/$defs/D"}]} for i in range(200)}}), SCHEMA),
     "nested-repetitions": Case(CHAT, formatted(
         ints(maxItems=300) | {"items": ints(maxItems=300) | {"items": {"type": "string", "maxLength": 300}}}), OK),
+    "nullable-repetitions": Case(CHAT, formatted({"type": "string", "pattern": "^(a?){1000}$"}), SCHEMA),
+    "nested-group-repetitions": Case(CHAT, formatted({"type": "string", "pattern": "^((a?){30}){30}$"}), SCHEMA),
     "huge-enum": Case(CHAT, formatted({"enum": [f"value-{i}" for i in range(20_000)]}), SCHEMA),
     "enum-of-a-few-hundred": Case(CHAT, formatted({"enum": [f"value-{i}" for i in range(300)]}), OK),
     "huge-anyOf": Case(CHAT, formatted({"anyOf": [{"const": i} for i in range(MAX_ALTERNATIVES + 1)]}), SCHEMA),

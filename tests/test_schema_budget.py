@@ -58,6 +58,11 @@ OVER = {
     "fraction": (ints(maxItems=2.5), "non-negative integer"),
     "not-a-number": (ints(minItems="3"), "non-negative integer"),
     "pattern": ({"type": "string", "pattern": "^(ab){2,99999}$"}, "pattern"),
+    "infinite": (ints(maxItems=float("inf")), "non-negative integer"),
+    "nullable-group": ({"type": "string", "pattern": "^(a?){1000}$"}, "1000 times"),
+    "nested-groups": ({"type": "string", "pattern": "^((a?){30}){30}$"}, "900 times"),
+    "quantified-atom": ({"type": "string", "pattern": "^a?{99}$"}, "99 times"),
+    "unreadable-number": ({"type": "string", "pattern": "^(x){" + "9" * 5000 + "}$"}, "pattern"),
     "enum": ({"enum": list(range(MAX_ALTERNATIVES + 1))}, f"more than the {MAX_ALTERNATIVES}"),
     "anyOf": ({"anyOf": [{"const": i} for i in range(MAX_ALTERNATIVES + 1)]}, "anyOf"),
     "properties": ({"type": "object", "properties": {f"p{i}": {} for i in range(MAX_ALTERNATIVES + 1)}}, "properties"),
@@ -183,8 +188,8 @@ def test_real_schemas_fit_the_budget_and_compile(model: Model, name: str) -> Non
 # --- generated schemas, through the request path ------------------------------------------------
 
 BOUNDS = st.one_of(st.sampled_from([0, 1, 3, 50, 999, 1000, MAX_REPEAT, MAX_REPEAT + 1, 10**9, 10**12]),
-                   st.integers(-3, 3000), st.sampled_from([1e9, 2.5, "7", None, True]))
-PATTERNS = st.sampled_from(["^a{3}$", "^[a-z]{1,900}$", "^(ab)*c?$", "^(a?){40}$", "^.{0,10000000}$", "^x{99999}$",
+                   st.integers(-3, 3000), st.sampled_from([1e9, 2.5, "7", None, True, float("inf"), float("nan")]))
+PATTERNS = st.sampled_from(["^a{3}$", "^[a-z]{1,900}$", "^(ab)*c?$", "^(a?){40}$", "^(a?){8}$", "^((ab){4}c){4}$", "^.{0,10000000}$", "^x{99999}$",
                             "^[0-9]{2,4}-[0-9]+$", "abc", "^(a|b)+$", "^\\d{3}$"])
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=8))
 NAMES = st.text(st.characters(codec="ascii", categories=["L", "N", "Pd"]), min_size=1, max_size=12)

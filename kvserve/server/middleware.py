@@ -99,8 +99,8 @@ class BodyLimit:
                 return await self._too_large(send)
         param = surrogate_param(bytes(body))
         if param is not None:
-            text = f"{param or 'the body'} holds a lone surrogate (a \\ud800-\\udfff escape without its pair), " \
-                      "which is not text"
+            text = (f"{param or 'the body'} holds a lone surrogate (a \\ud800-\\udfff escape without its pair), "
+                    "which is not text")
             return await _send_json(send, 400, error_body(text, param=param or None))
         replayed = False
 

@@ -2,7 +2,9 @@
 
 llama.cpp's schema converter writes every bounded repetition out in full: `maxItems: N` is N
 copies of the item's rule, nested N parentheses deep, so a schema of a few bytes can ask for
-gigabytes of grammar text; each `enum` value or `anyOf` branch is an alternative the sampler
+gigabytes of grammar text; a pattern's group that may match nothing, repeated N times, is N ways
+through it that the sampler follows at every token (`(a?){1000}` stalls every sequence in the
+batch for minutes per token); each `enum` value or `anyOf` branch is an alternative the sampler
 checks against the whole vocabulary at every token. `check_schema` walks the schema once, with
 nothing allocated beyond the walk, and refuses (`SchemaTooLarge`, a `ToolError` naming the request
 field and the limit) whatever is over the budget below, before the converter starts.
@@ -21,6 +23,7 @@ from kvserve.tools.spec import FunctionTool, ToolError
 
 MAX_DEPTH = 64  # nested JSON objects and arrays inside one schema
 MAX_REPEAT = 4096  # any one minItems, maxItems, minLength, maxLength or {m,n} of a pattern
+MAX_GROUP_REPEAT = 32  # a pattern's {m,n} on a group or on a quantified atom, multiplied through nested groups
 MAX_ALTERNATIVES = 1024  # enum values, anyOf/oneOf branches, or properties, in one place
 MAX_GRAMMAR_CHARS = 1 << 20  # grammar text, estimated before converting and measured after
 MAX_TOOLS = 128  # tools in one request (OpenAI's own limit)
@@ -105,20 +108,26 @@ class _Walk:
             text = 2 * len(pattern)
             for match in _QUANTIFIER.finditer(pattern):
                 copies += max(self.number(group, "a {m,n} of pattern") for group in match.groups())
+            groups = _group_repeats(pattern)
+            if groups > MAX_GROUP_REPEAT:
+                raise self.refuse(f"pattern repeats a group (or a quantified atom) {groups} times, more than the "
+                                  f"{MAX_GROUP_REPEAT} allowed")
         return text + copies * (name + 8 + _COPY_OVERHEAD)
 
     def bound(self, node: dict, key: str) -> int:
         value = node.get(key)
         if value is None:
             return 0
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf") \
+                or value % 1:
             raise self.refuse(f"{key} must be a non-negative integer")
         return self.number(int(value), key)
 
     def number(self, value: int | str | None, what: str) -> int:
-        count = int(value) if value not in (None, "") else 0
+        count = _count(value)
         if count > MAX_REPEAT:
-            raise self.refuse(f"{what} is {count}, more than the {MAX_REPEAT} a grammar may write out")
+            shown = count if count < 10**12 else f"{count:.3g}"
+            raise self.refuse(f"{what} is {shown}, more than the {MAX_REPEAT} a grammar may write out")
         return count
 
     def alternatives(self, node: dict) -> int:
@@ -159,3 +168,53 @@ class _Walk:
                 return None
             target = target[part]
         return target
+
+
+def _count(digits: int | str | None) -> int:
+    """A quantifier's number; one too long to read (Python refuses ints of thousands of digits) is huge."""
+    if isinstance(digits, int):
+        return digits
+    return int(digits) if digits and len(digits) <= 12 else (10**12 if digits else 0)
+
+
+def _quantifier_at(pattern: str, at: int) -> tuple[int, int]:
+    """The largest bound of a {m,n} starting at `at` (1 if none starts there), and where it ends."""
+    match = _QUANTIFIER.match(pattern, at)
+    if match is None:
+        return 1, at
+    return max(_count(group) for group in match.groups()), match.end()
+
+
+def _group_repeats(pattern: str) -> int:
+    """The largest product of the {m,n} bounds on groups (and on atoms already quantified, as in
+    `a?{9}`) through nested groups: how many ways through one repeated piece the sampler may track."""
+    inside = [1]  # per open group: the largest product within it so far
+    at = 0
+    while at < len(pattern):
+        char = pattern[at]
+        if char == "\\":
+            at += 2
+            continue
+        if char == "[":
+            at = _class_end(pattern, at)
+        elif char == "(":
+            inside.append(1)
+        elif char == ")" and len(inside) > 1:
+            bound, at = _quantifier_at(pattern, at + 1)
+            within = inside.pop() * bound
+            inside[-1] = max(inside[-1], within)
+            continue
+        elif char in "?*+}" and pattern.startswith("{", at + 1):
+            bound, at = _quantifier_at(pattern, at + 1)
+            inside[-1] = max(inside[-1], bound)
+            continue
+        at += 1
+    return max(inside)
+
+
+def _class_end(pattern: str, at: int) -> int:
+    """Where the character class opening at `at` closes (its `]`), escapes skipped."""
+    at += 1
+    while at < len(pattern) and pattern[at] != "]":
+        at += 2 if pattern[at] == "\\" else 1
+    return at
