@@ -165,6 +165,7 @@ REAL = {
     "agents-output-items": agents.AgentOutputSchema(list[LineItem]).json_schema(),
     "enum-of-300": {"type": "string", "enum": [f"value-{i}" for i in range(300)]},
     "list-of-200": ints(minItems=1, maxItems=200),
+    "nesting-at-the-limit": nested(MAX_DEPTH - 1),
 }
 
 

@@ -86,7 +86,8 @@ class _Walk:
             return sum(self.cost(item, name + 4, depth + 1) for item in node)
         if not isinstance(node, dict):
             return 0  # a keyword's value: what the grammar takes of it is counted at its schema
-        size = _RULE_OVERHEAD + name + self.repetitions(node, name) + self.alternatives(node)
+        # its rule's name, defined once and referred to (at most twice) by its parent's rule
+        size = _RULE_OVERHEAD + 3 * name + self.repetitions(node, name) + self.alternatives(node)
         for key, value in node.items():
             if key in ("enum", "const"):
                 continue  # counted by alternatives
