@@ -18,9 +18,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# The build is long and pip is silent through it: say so, then show a line per stage (scikit-build-core's
+# "***" lines) and per compile step (ninja's [n/total]); the whole output is kept in build.log, and its
+# end is shown if no wheel came out.
 $(WHEELS)/.built: | $(BIN)/python
 	mkdir -p $(WHEELS)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel --quiet --no-deps --no-cache-dir -w $(WHEELS) $(LLAMA_CPP_PYTHON)
+	@echo "Building $(LLAMA_CPP_PYTHON) from source (llama.cpp's C/C++, once per machine and build flags)."
+	@echo "This takes about 5 minutes on 2 cores; progress follows, the full log is $(WHEELS)/build.log"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel -v --no-deps --no-cache-dir -w $(WHEELS) $(LLAMA_CPP_PYTHON) 2>&1 \
+		| tee $(WHEELS)/build.log | sed -unE -e 's/^ *(\*\*\* .*)/\1/p' -e '/ERROR|error:/p' \
+			-e 's|^ *(\[[0-9]+/[0-9]+\]) .* -o ([^ ]*/)?([^ /]+) .*|\1 \3|p;t' -e 's|^ *(\[[0-9]+/[0-9]+\]).*|\1|p'; \
+		ls $(WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { tail -n 40 $(WHEELS)/build.log; exit 1; }
 	touch $@
 
 .PHONY: install install-test install-bench serve test bench-setup bench

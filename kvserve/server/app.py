@@ -22,7 +22,7 @@ from kvserve.server.errors import error_responses, install_error_handlers
 from kvserve.server.generation import Answer, accepting, respond
 from kvserve.server.logs import log_config
 from kvserve.server.metrics import Metrics
-from kvserve.server.middleware import BodyLimit, RequestId
+from kvserve.server.middleware import BodyLimit, ErrorBoundary, RequestId
 from kvserve.server.responses import LogprobFormatter, Shape, collect, stream
 from kvserve.server.messages_api import routes as messages_api
 from kvserve.server.messages_api.schemas import AnthropicErrorResponse
@@ -137,8 +137,11 @@ def create_app(settings: Settings) -> FastAPI:
     guarded = dict(dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
     app.include_router(cache_routes.router, **guarded)
     app.include_router(worker_routes.router, **guarded)
-    # The last added runs outermost: RequestId wraps BodyLimit, so the id is set before anything logs or answers.
+    for path in app.openapi()["paths"]:  # every route's series from the start, at 0
+        app.state.metrics.unexpected.labels(route=path)
+    # The last added runs outermost: RequestId wraps the rest, so the id is set before anything logs or answers.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * 1024 * 1024))
+    app.add_middleware(ErrorBoundary)
     app.add_middleware(RequestId)
     return app
 

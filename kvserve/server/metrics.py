@@ -132,6 +132,10 @@ class Metrics:
             "kvserve_request_rejected", "Requests refused for load: queue full (429), queue timeout or shutdown (503)",
             ["status"], registry=r,
         )
+        self.unexpected = Counter(
+            "kvserve_unexpected_errors", "Requests a server bug ended (500 server_error, traceback in the log)",
+            ["route"], registry=r,
+        )
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: the memory a soak watches
         # Every label value exists from the start, at 0: a series born at 1 on its first 429 or error
         # is one increase()/rate() cannot see, so the alerts on them would miss it.

@@ -28,6 +28,7 @@ from kvserve.server.schemas import (
 )
 from kvserve.tools import ChatTurn, HistoryCall, ToolPlan, plan_tools, template_messages
 from kvserve.tools.formats import ToolFormat, detect_format
+from kvserve.tools.schema_budget import check_grammar_text, check_schema
 from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, ToolError
 
 
@@ -152,6 +153,10 @@ def grammar_for(response_format: ResponseFormat | None) -> str | None:
     if response_format.type == "json_schema":
         schema = response_format.json_schema.schema_ or {}
     try:
+        check_schema(schema, "response_format.json_schema.schema")  # before the converter allocates anything
+    except ToolError as exc:
+        raise invalid(str(exc), exc.param) from exc
+    try:
         return json_schema_to_gbnf(json.dumps(schema))
     except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
         raise invalid(f"unsupported json_schema: {exc}", "response_format") from exc
@@ -201,15 +206,16 @@ def with_tool_grammar(model: Model, params: SamplingParams, tools: ToolPlan) -> 
 def _check_grammar(model: Model, params: SamplingParams, param: str) -> None:
     """Build the chain once here, so a grammar llama.cpp rejects is a 400, not an engine fault."""
     try:
+        check_grammar_text(params.grammar or "", param)
         Sampler(model, params).close()
-    except GrammarError as exc:
+    except (GrammarError, ToolError) as exc:
         raise invalid(str(exc), param) from exc
 
 
 async def chat_job(engine: Engine, body: ChatCompletionRequest) -> tuple[Request, ToolPlan | None]:
     """The scheduler request a chat body is served as, and how its reply calls tools (None: it is text)."""
     prompt = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body)
-    params = chat_sampling(engine.model, body, prompt.tools)
+    params = await asyncio.to_thread(chat_sampling, engine.model, body, prompt.tools)  # grammars: off the loop
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl", "messages",
                         marks=prompt.marks, special_text=prompt.tools is not None and prompt.tools.special_text)

@@ -10,6 +10,7 @@ from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.model import Model
 from kvserve.tools.formats import ToolFormat
 from kvserve.tools.grammar import ToolGrammar, tool_grammar
+from kvserve.tools.schema_budget import check_tools as check_budget
 from kvserve.tools.parser import ToolCallParser
 from kvserve.tools.spec import NAME_PATTERN, FunctionTool, Mode, ToolChoice, ToolError
 
@@ -82,6 +83,7 @@ def plan_tools(fmt: ToolFormat, model: Model, tools: list[FunctionTool], choice:
     shape the conversation so far has shown the model. A named choice makes one call whatever
     `parallel` says. Raises ToolError for tools or a choice that cannot be served."""
     check_tools(tools, choice)
+    check_budget(tools)
     parallel = parallel and not choice.named
     if choice.mode is Mode.NONE and fmt is not ToolFormat.GENERIC:
         return None
