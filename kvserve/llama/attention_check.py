@@ -9,10 +9,10 @@ accumulator grows to sum(exp(s - max)) · |v|; where attention is flat over many
 (Gemma 3: sums in the hundreds, |v| up to 70, accumulators in the thousands, where an f16 step is 1
 to 2) each added term loses most of its bits, and the output of one layer moves by up to 13%.
 
-The check evaluates one probe twice on a small context of its own: whole (every row tiled) and as a
-prefix plus a `TAIL`-token tail after `seq_rm` (the tail's rows take the one-query path), and takes
-the largest KL divergence between the two next-token distributions over the tail's positions. The
-probe is pseudo-random tokens, whose attention is flat: what makes the f16 accumulator lose most.
+The check evaluates one probe twice on a small context of its own: whole (every row tiled), and on
+a second sequence as a prefix and then a `TAIL`-token tail (whose rows take the one-query path). It
+takes the largest KL divergence between the two next-token distributions over the tail's positions.
+The probe is pseudo-random tokens, whose attention is flat: what makes the f16 accumulator lose most.
 Beyond `TOLERANCE` flash attention is wrong for this model and `auto` turns it off. Measured at 512
 tokens: Gemma 3 270M 0.034 (its top logprobs move by 0.35-0.6), SmolLM2-135M 0.007, tiny random
 models under 0.001. The verdict belongs to the model file and the llama.cpp build, so it is kept
@@ -105,16 +105,17 @@ def _store_path() -> Path:
 
 def probe_kl(model: Model, flash_attn: FlashAttn, n_threads: int) -> float | None:
     """Max KL(whole || prefix + tail) over the tail's positions, with flash attention; None when
-    llama.cpp did not enable it (`auto` on a device without it)."""
+    llama.cpp did not enable it (`auto` on a device without it). The split evaluation runs on a
+    second sequence, so models that carry state (which cannot drop a tail) are probed alike."""
     tokens = probe_tokens(model.info.n_vocab)
-    ctx = Context(model, ContextParams(n_ctx=2 * PROBE_TOKENS, n_batch=PROBE_TOKENS, n_seq_max=1,
+    ctx = Context(model, ContextParams(n_ctx=2 * PROBE_TOKENS, n_batch=PROBE_TOKENS, n_seq_max=2,
                                        n_threads=n_threads, flash_attn=flash_attn))
     try:
         if not ctx.flash_attn:
             return None
-        whole = _tail_logprobs(ctx, tokens, 0)
-        ctx.seq_rm(0, len(tokens) - TAIL)
-        split = _tail_logprobs(ctx, tokens[-TAIL:], len(tokens) - TAIL)
+        whole = _decode(ctx, tokens, 0, 0)
+        _decode(ctx, tokens[:-TAIL], 0, 1)
+        split = _decode(ctx, tokens[-TAIL:], len(tokens) - TAIL, 1)
     finally:
         ctx.close()
     return float((np.exp(whole) * (whole - split)).sum(axis=1).max())
@@ -127,12 +128,12 @@ def probe_tokens(n_vocab: int) -> list[int]:
     return [int(t) for t in rng.integers(n_vocab // 20, n_vocab // 2, PROBE_TOKENS)]
 
 
-def _tail_logprobs(ctx: Context, tokens: list[int], pos0: int) -> np.ndarray:
-    """Decode `tokens` at `pos0..` on sequence 0; the logprobs of the last TAIL of them, one row each."""
+def _decode(ctx: Context, tokens: list[int], pos0: int, seq: int) -> np.ndarray:
+    """Decode `tokens` at `pos0..` on `seq`; the logprobs of the last TAIL of them, one row each."""
     assert TAIL < FLASH_ATTENTION_TILE_ROWS
     batch = Batch(len(tokens))
     try:
-        rows = [batch.add(t, pos0 + i, 0, i >= len(tokens) - TAIL) for i, t in enumerate(tokens)][-TAIL:]
+        rows = [batch.add(t, pos0 + i, seq, i >= len(tokens) - TAIL) for i, t in enumerate(tokens)][-TAIL:]
         ctx.decode(batch)
         logits = np.stack([ctx.logits(i).astype(np.float64) for i in rows])
     finally:
