@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     )
     threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
     flash_attn: Literal["on", "off", "auto"] = Field(
-        "auto", description="flash attention: auto lets llama.cpp pick for the device (on for CPUs); off is bit-stable"
+        "auto", description="flash attention: auto is on where llama.cpp picks it and a start-up check passes; off is bit-stable"
     )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")

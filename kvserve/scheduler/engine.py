@@ -11,6 +11,7 @@ from kvserve.cache.page_cache import PageCache
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.state_cache import StateCache
 from kvserve.config import Settings
+from kvserve.llama.attention_check import FlashAttnChoice, choose_flash_attn
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.context import MAX_SEQUENCES, Context, ContextParams
 from kvserve.llama.model import Model
@@ -52,6 +53,7 @@ class Engine:
     cache: PrefixCache
     scheduler: Scheduler
     async_engine: AsyncEngine
+    attention: FlashAttnChoice  # flash attention on or off, and why (/server_info reports it)
 
     @property
     def max_seq_len(self) -> int:
@@ -70,12 +72,13 @@ class Engine:
         else:
             n_seq_max = MAX_SEQUENCES
         n_seq_max = min(n_seq_max, MAX_SEQUENCES)
+        attention = choose_flash_attn(model, settings.flash_attn, settings.threads)
         params = ContextParams(
             n_ctx=settings.ctx_size,
             n_batch=max(settings.batch_size, n_seq_max),
             n_seq_max=n_seq_max,
             n_threads=settings.threads,
-            flash_attn=settings.flash_attn,
+            flash_attn="on" if attention.enabled else "off",
         )
         ctx = Context(model, params)
         ids = SeqIds(ctx.n_seq_max)
@@ -91,7 +94,7 @@ class Engine:
         )
         scheduler = Scheduler(pool, cache, config)
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
-        return cls(settings, model, ChatTemplate.from_model(model), pool, cache, scheduler, async_engine)
+        return cls(settings, model, ChatTemplate.from_model(model), pool, cache, scheduler, async_engine, attention)
 
     def close(self) -> None:
         """Release the cache, then the context, then the model (the reverse of `load`)."""

@@ -47,7 +47,7 @@ async def server_info(request: Request) -> dict:
         "max_total_tokens": s.ctx_size,
         "version": __version__,
         "engine": "kvserve",
-        "flash_attn": s.flash_attn,  # as asked; `flash_attn_enabled` is what llama.cpp chose
+        "flash_attn": engine.attention.as_dict(),  # what runs and why (--flash-attn and the self-check)
         "flash_attn_enabled": engine.pool.ctx.flash_attn,
         "cache": {
             "prefix_cache": s.prefix_cache,
