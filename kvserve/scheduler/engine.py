@@ -96,7 +96,7 @@ class Engine:
         )
         embedder = Embedder(model, EmbedderConfig(
             pooling=settings.pooling or model_pooling(model), batch_tokens=min(settings.embedding_batch, config.max_seq_len),
-            n_threads=settings.threads, flash_attn=settings.flash_attn, queue_timeout=settings.queue_timeout))
+            n_threads=settings.threads, queue_timeout=settings.queue_timeout))
         scheduler = Scheduler(pool, cache, config, embedder)
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
         return cls(settings, model, ChatTemplate.from_model(model), pool, cache, scheduler, async_engine)
