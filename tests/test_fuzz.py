@@ -1,5 +1,5 @@
 """Schemathesis against kvserve's own /openapi.json: generated bodies, valid and invalid, for chat,
-completions, responses (create, retrieve, delete), models, prefix match and the router routes (render,
+completions, responses (create, retrieve, delete), embeddings, models, prefix match and the router routes (render,
 tokenize, detokenize). No 5xx,
 and every answer matches the status codes, content types and schemas the document promises
 (errors in the OpenAI shape included). A second pass makes every chat body carry tools (with
@@ -25,7 +25,7 @@ from conftest import serve
 from kvserve.config import Settings
 from kvserve.server.app import create_app
 
-FUZZED = r"^/(v1/(chat/completions|completions|responses|models|prefix/match)(/render|/\{response_id\})?|tokenize|detokenize)$"
+FUZZED = r"^/(v1/(chat/completions|completions|responses|models|prefix/match|embeddings)(/render|/\{response_id\})?|tokenize|detokenize)$"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
