@@ -14,7 +14,7 @@ from typing import Literal, Union
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from kvserve.llama.model import Model
@@ -22,7 +22,8 @@ from kvserve.scheduler.async_engine import EngineStopped, QueueFull
 from kvserve.scheduler.embeddings import EmbeddingFailed, EmbeddingJob
 from kvserve.scheduler.engine import Engine
 from kvserve.server.errors import APIError, engine_error, error_responses, invalid
-from kvserve.server.generation import accepting, rejected
+# the generation routes' watch on the client (to be made public there once issue 21's rework of that module lands)
+from kvserve.server.generation import _ClientGone, _unless_disconnected, accepting, rejected
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
 
@@ -68,7 +69,7 @@ _ROUTE = dict(dependencies=[Depends(accepting)], responses=_RESPONSES, response_
 
 @router.post("/v1/embeddings", **_ROUTE)
 @router.post("/embeddings", **_ROUTE)
-async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     embedder = engine.embedder
     if body.dimensions is not None and body.dimensions != embedder.dimensions:
@@ -77,7 +78,9 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
     inputs = await asyncio.to_thread(input_tokens, engine.model, body.input, embedder.config.batch_tokens)
     job = EmbeddingJob(id=f"embd-{uuid.uuid4().hex}", inputs=inputs)
     try:
-        vectors = await engine.async_engine.embed(job)
+        vectors = await _unless_disconnected(request, engine.async_engine.embed(job))
+    except _ClientGone:
+        return Response(status_code=499)  # the job was cancelled: its inputs not yet embedded are dropped
     except QueueFull as exc:
         raise rejected(request, APIError(429, str(exc), type="rate_limit_error", code="queue_full",
                                          headers={"Retry-After": "1"})) from exc
