@@ -1,4 +1,4 @@
-"""python -m bench [compare|sweep|cache-cost|attention|host-tier|serving|prefix|checkpoints|soak]: each writes
+"""python -m bench [compare|sweep|cache-cost|attention|host-tier|serving|prefix|checkpoints|soak|embeddings]: each writes
 JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
@@ -7,26 +7,26 @@ measures what a prefix cache full of cold pages costs unique traffic; attention 
 llama_decode calls in kvserve's unified KV cache against a stream per sequence; host-tier times copying a
 prefix's KV rows to host memory and back against prefilling it. The others are the earlier
 kvserve-only suites whose numbers docs/benchmarks.md quotes; soak serves thousands of requests and charts
-kvserve's resident memory.
+kvserve's resident memory; embeddings puts kvserve's /v1/embeddings per second next to llama-server's.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench import attention, cache_cost, checkpoints, compare, host_tier, prefix, serving, soak, sweep
+from bench import attention, cache_cost, checkpoints, compare, embeddings, host_tier, prefix, serving, soak, sweep
 
 WORKLOADS = ["shared", "multiturn", "unique", "long", "conversations"]
 SERVERS = ["kvserve", "llama-server", "llama-server-defaults", "llama-cpp-python"]
-SUITES = ["compare", "sweep", "cache-cost", "attention", "host-tier", "serving", "prefix", "checkpoints", "soak"]
+SUITES = ["compare", "sweep", "cache-cost", "attention", "host-tier", "serving", "prefix", "checkpoints", "soak", "embeddings"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("suite", nargs="?", default="compare", choices=SUITES)
     parser.add_argument("--quick", action="store_true",
-                        help="compare, sweep, cache-cost: a smoke run (fewer rounds, points or tokens)")
-    parser.add_argument("--servers", nargs="+", choices=SERVERS, help="compare, sweep: only these servers")
+                        help="compare, sweep, cache-cost, embeddings: a smoke run (fewer rounds, points, tokens or texts)")
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, help="compare, sweep, embeddings: only these servers")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="compare: only these workloads")
     args = parser.parse_args()
     if args.suite == "compare":
@@ -35,6 +35,8 @@ def main() -> None:
         print(sweep.main(args.quick, args.servers))
     elif args.suite == "cache-cost":
         print(cache_cost.main(args.quick))
+    elif args.suite == "embeddings":
+        print(embeddings.main(args.quick, args.servers))
     else:
         suites = {"attention": attention, "host-tier": host_tier, "serving": serving, "prefix": prefix,
                   "checkpoints": checkpoints, "soak": soak}

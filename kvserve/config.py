@@ -53,6 +53,12 @@ class Settings(BaseSettings):
     flash_attn: Literal["on", "off", "auto"] = Field(
         "auto", description="flash attention: auto is on where llama.cpp picks it and a start-up check passes; off is bit-stable"
     )
+    pooling: Literal["mean", "cls", "last"] | None = Field(
+        None, description="how /v1/embeddings pools a text's tokens (default: the model's own; mean where it declares none)"
+    )
+    embedding_batch: int = Field(
+        512, ge=16, description="tokens per embedding decode, and the most one /v1/embeddings input may have"
+    )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
     prefix_cache_cells: int = Field(

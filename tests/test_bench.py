@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from bench import attention, cache_cost, host_tier, sweep, workloads
+from bench import embeddings as bench_embeddings
 from bench.client import Result, stream_chat
 from bench.report import markdown, targets
 from bench.servers import Setup, contenders
@@ -298,3 +299,34 @@ def test_host_tier_times_donate_and_attach_against_prefill(tiny, tmp_path: Path,
         assert all(r[k] > 0 for k in ("prefill_us", "donate_us", "attach_us", "llama_get_us", "llama_set_us"))
         assert r["row_bytes"] <= r["host_bytes_per_token"] <= 1.1 * r["row_bytes"]
     assert "| attach / prefill |" in (tmp_path / "host_tier.md").read_text()
+
+
+def test_embedding_texts_are_distinct_and_retrieval_sized(tokens) -> None:
+    texts = bench_embeddings.texts()
+    assert len(set(texts)) == len(texts) == bench_embeddings.TEXTS == 256
+    assert all(15 <= tokens(text) <= 60 for text in texts)
+
+
+def test_embedding_servers_get_the_same_model_threads_batch_and_pooling() -> None:
+    argv = {name: command(9000) for name, command in
+            bench_embeddings.servers(Path("/m.gguf"), 3, Path("/bin/llama-server")).items()}
+
+    def flag(name: str, key: str) -> str:
+        return argv[name][argv[name].index(key) + 1]
+
+    for key, value in (("--model", "/m.gguf"), ("--threads", "3"), ("--pooling", "mean"), ("--parallel", "8"),
+                       ("--ctx-size", str(8 * 512))):
+        assert flag("kvserve", key) == flag("llama-server", key) == value
+    # the longest input each embeds: kvserve's embedding batch, llama-server's physical batch
+    assert flag("kvserve", "--embedding-batch") == flag("llama-server", "--ubatch-size") == "512"
+    assert "--embeddings" in argv["llama-server"]
+
+
+def test_embedding_report_rows() -> None:
+    rows = [{"server": "kvserve", "workload": "single", "texts": 256, "seconds": 4.0, "embeddings_s": 64.0,
+             "lowest_cosine": 1.0},
+            {"server": "llama-server", "workload": "single", "texts": 256, "seconds": 5.0, "embeddings_s": 51.2,
+             "lowest_cosine": 0.99991}]
+    text = bench_embeddings.markdown({"machine": MACHINE, "rows": rows})
+    assert "| kvserve | single | 256 | 64 | 1.000000 |" in text
+    assert "| llama-server | single | 256 | 51.2 | 0.999910 |" in text

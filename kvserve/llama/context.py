@@ -50,6 +50,10 @@ class ContextParams:
     # one KV stream for all sequences; False (a stream per sequence, what llama-server runs) only
     # for bench/attention.py's comparison: the page cache needs cells that sequences share
     unified: bool = True
+    # an embedding context: every token is output and pooled per sequence by `pooling` (a
+    # LLAMA_POOLING_TYPE_*); a sequence must then fit in one ubatch, since llama.cpp pools per ubatch
+    embeddings: bool = False
+    pooling: int = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
 
 
 class Context:
@@ -75,6 +79,8 @@ class Context:
         # rounds differently by batch shape (tiled for many queries, one-query path for decodes).
         cparams.flash_attn_type = _FLASH_ATTN_TYPES[params.flash_attn]
         cparams.no_perf = True
+        cparams.embeddings = params.embeddings
+        cparams.pooling_type = params.pooling
         self.model = model
         self.params = params
         with log_lines() as said:
@@ -117,6 +123,13 @@ class Context:
         ptr = llama_cpp.llama_get_logits_ith(self._ptr, index)
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
 
+    def seq_embedding(self, seq: int) -> np.ndarray:
+        """A copy of the pooled embedding of `seq` from the last decode (an embedding context's)."""
+        ptr = llama_cpp.llama_get_embeddings_seq(self._ptr, seq)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp has no pooled embedding for sequence {seq}")
+        return np.ctypeslib.as_array(ptr, shape=(llama_cpp.llama_model_n_embd_out(self.model.ptr),)).copy()
+
     # -- memory: sequences in the unified KV cache -------------------------------------------------
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
@@ -126,6 +139,10 @@ class Context:
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Let `dst` share the cells of `src` in [p0, p1): no data is copied."""
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def clear(self) -> None:
+        """Forget every sequence."""
+        llama_cpp.llama_memory_clear(self._mem, True)
 
     def seq_pos_max(self, seq: int) -> int:
         """The largest position `seq` has, or -1 when it is empty."""

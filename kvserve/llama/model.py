@@ -98,6 +98,12 @@ class Model:
         """The vocabulary entry itself (special tokens spelled out), for logprobs."""
         return self.piece(token, special=True).decode("utf-8", errors="replace")
 
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as text; None where the file lacks `key`."""
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
     def chat_template(self) -> str | None:
         raw = llama_cpp.llama_model_chat_template(self._ptr, None)
         return raw.decode("utf-8") if raw else None

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+from kvserve.scheduler.embeddings import EmbeddingJob
 from kvserve.scheduler.request import Request, RequestOutput
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.stall_watch import StallWatch
@@ -84,6 +85,7 @@ class AsyncEngine:
         self.stall_watch = StallWatch(scheduler, stall_seconds, self.call)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
         self._streams: dict[str, RequestStream] = {}
+        self._embedding_jobs = 0  # awaited by `embed`
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -94,7 +96,7 @@ class AsyncEngine:
 
     @property
     def in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + self._embedding_jobs
 
     def oldest_waiting_seconds(self) -> float:
         """Age of the oldest request in flight not yet admitted (0: none). Read on the event loop, from
@@ -125,15 +127,33 @@ class AsyncEngine:
     def open(self, request: Request) -> RequestStream:
         """Submit a request; its stream must be closed when read. Past `--parallel` + `--max-queue` requests in
         flight, nothing is submitted and `QueueFull` is raised."""
-        if not self.running:
-            raise EngineStopped("the engine is not running")
-        if self.in_flight >= self.scheduler.config.max_running + self.max_queue:
-            raise QueueFull(f"{self.in_flight} requests are in flight, the most this server queues")
+        self._check_room()
         stream = RequestStream(self, request)
         self._streams[request.id] = stream
         self.scheduler.submit(request)
         self._wakeup.set()
         return stream
+
+    async def embed(self, job: EmbeddingJob) -> list:
+        """The job's vectors, embedded between generation steps; the same queue bound as `open`.
+        Raises `EmbeddingFailed`; cancelling the wait drops the job at the next step."""
+        self._check_room()
+        if self.scheduler.embedder is None:
+            raise EngineStopped("this engine serves no embeddings")
+        self._embedding_jobs += 1
+        try:
+            self.scheduler.embedder.submit(job)
+            self._wakeup.set()
+            return await asyncio.wrap_future(job.future)
+        finally:
+            self._embedding_jobs -= 1
+            job.future.cancel()  # no-op once it has a result; otherwise the engine drops the job
+
+    def _check_room(self) -> None:
+        if not self.running:
+            raise EngineStopped("the engine is not running")
+        if self.in_flight >= self.scheduler.config.max_running + self.max_queue:
+            raise QueueFull(f"{self.in_flight} requests are in flight, the most this server queues")
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -144,13 +164,15 @@ class AsyncEngine:
         """Wait up to `timeout` seconds for the requests in flight to end, then fail the rest with
         `message`; returns how many were failed."""
         deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline:
+        while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         left = list(self._streams)
         for request_id in left:
             self.scheduler.abort(request_id, error=message)
+        embedder = self.scheduler.embedder
+        failed = await self.call(lambda: embedder.fail_all(message)) if embedder else 0
         self._wakeup.set()
-        return len(left)
+        return len(left) + failed
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -17,6 +17,7 @@ from kvserve.llama.context import MAX_SEQUENCES, Context, ContextParams
 from kvserve.llama.model import Model
 from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.embeddings import Embedder, EmbedderConfig, model_pooling
 from kvserve.scheduler.scheduler import Scheduler
 
 _log = logging.getLogger("kvserve.engine")
@@ -56,6 +57,10 @@ class Engine:
     attention: FlashAttnChoice  # flash attention on or off, and why (/server_info reports it)
 
     @property
+    def embedder(self) -> Embedder:
+        return self.scheduler.embedder
+
+    @property
     def max_seq_len(self) -> int:
         return self.scheduler.config.max_seq_len
 
@@ -92,13 +97,17 @@ class Engine:
             prefill_chunk=settings.prefill_chunk or None,
             attention_tile_rows=ctx.attention_tile_rows,
         )
-        scheduler = Scheduler(pool, cache, config)
+        embedder = Embedder(model, EmbedderConfig(
+            pooling=settings.pooling or model_pooling(model), batch_tokens=min(settings.embedding_batch, config.max_seq_len),
+            n_threads=settings.threads, queue_timeout=settings.queue_timeout))
+        scheduler = Scheduler(pool, cache, config, embedder)
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
         return cls(settings, model, ChatTemplate.from_model(model), pool, cache, scheduler, async_engine, attention)
 
     def close(self) -> None:
-        """Release the cache, then the context, then the model (the reverse of `load`)."""
+        """Release the cache, then the contexts, then the model (the reverse of `load`)."""
         self.scheduler.release_all()
         self.cache.release()
         self.pool.close()
+        self.embedder.close()
         self.model.close()

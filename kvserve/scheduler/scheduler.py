@@ -6,7 +6,8 @@ threads hand it work through `submit` and `abort`, which only append to thread-s
 
 `Scheduler` coordinates a step over its parts, each of which keeps the invariants its docstring
 states: `Admission` (who starts), `BatchPlanner` (what one decode carries), `Sampling` (tokens into
-text), `Ending` (the end of a request); they share the `Queues` and a `KvManager` (sessions and the
+text), `Ending` (the end of a request), and `Embedder` (embedding jobs, in a context of their own,
+one batch after each step); they share the `Queues` and a `KvManager` (sessions and the
 prefix cache).
 """
 
@@ -25,6 +26,7 @@ from kvserve.llama.sampler import live_samplers
 from kvserve.scheduler.admission import Admission
 from kvserve.scheduler.batch_plan import BatchPlanner, Slot
 from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.embeddings import Embedder
 from kvserve.scheduler.ending import Ending
 from kvserve.scheduler.kv_manager import KvManager
 from kvserve.scheduler.queues import Queues
@@ -47,8 +49,10 @@ class StepTimes:
 
 
 class Scheduler:
-    def __init__(self, pool: KvPool, cache: PrefixCache, config: SchedulerConfig) -> None:
+    def __init__(self, pool: KvPool, cache: PrefixCache, config: SchedulerConfig,
+                 embedder: Embedder | None = None) -> None:
         self.pool = pool
+        self.embedder = embedder  # embedding jobs, one batch of them after each generation step
         self.cache = cache
         self.config = config
         self.queues = Queues()
@@ -82,7 +86,8 @@ class Scheduler:
         return self.queues.waiting
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self._aborts or self.waiting or self.running)
+        return bool(self._inbox or self._aborts or self.waiting or self.running
+                    or (self.embedder and self.embedder.has_work()))
 
     @property
     def n_running(self) -> int:
@@ -110,6 +115,8 @@ class Scheduler:
         except Exception:  # a bug must not hang every client: fail what is in flight, keep serving
             _log.exception("engine step failed; failing the requests in flight")
             self.ending.fail({*self.running, *self.waiting}, "internal engine error", outputs)
+        if self.embedder and self.embedder.step():
+            self.last_progress = time.monotonic()
         if outputs or not self.has_work():
             self.last_progress = time.monotonic()
         self.times.steps += 1

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.config import Settings
 from kvserve.scheduler.engine import Engine
-from kvserve.server import cache_routes, prompts, worker_routes
+from kvserve.server import cache_routes, embeddings, prompts, worker_routes
 from kvserve.server.auth import bearer_values, require_key
 from kvserve.server.errors import error_responses, install_error_handlers
 from kvserve.server.generation import Answer, accepting, respond
@@ -134,6 +134,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(responses_api.router, dependencies=[Depends(require_key)], responses=error_responses(401))
     app.include_router(messages_api.router, dependencies=[Depends(require_key)],
                        responses=error_responses(401, model=AnthropicErrorResponse))
+    app.include_router(embeddings.router, dependencies=[Depends(require_key)], responses=error_responses(401))
     guarded = dict(dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
     app.include_router(cache_routes.router, **guarded)
     app.include_router(worker_routes.router, **guarded)
