@@ -21,11 +21,13 @@ def embedded_model_path() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
-def _quarter_of_ram_mb() -> int:
+def _prefix_cache_mb() -> int:
+    """A quarter of RAM, at most llama-server's 8 GiB prompt cache (`--cache-ram 8192`)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (4 * 1024 * 1024)
+        quarter = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (4 * 1024 * 1024)
     except (ValueError, OSError):
         return 1024
+    return min(quarter, 8192)
 
 
 class Settings(BaseSettings):
@@ -41,8 +43,8 @@ class Settings(BaseSettings):
     model_alias: str | None = Field(None, description="model name the API reports (default: the file's stem)")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
-    ctx_size: int = Field(16384, ge=256, description="KV cells shared by all sequences")
-    parallel: int = Field(16, ge=1, le=128, description="sequences decoding at once")
+    ctx_size: int = Field(4096, ge=256, description="context of each request: KV cells of each sequence's stream")
+    parallel: int = Field(8, ge=1, le=128, description="sequences decoding at once, a KV stream each")
     batch_size: int = Field(
         2048, ge=16, description="tokens per engine step (decode tokens + prompt chunks; llama.cpp runs 512 at a time)"
     )
@@ -54,9 +56,8 @@ class Settings(BaseSettings):
         "auto", description="flash attention: auto lets llama.cpp pick for the device (on for CPUs); off is bit-stable"
     )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
-    prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
-    prefix_cache_cells: int = Field(
-        4096, ge=0, description="most KV cells the page cache keeps (a quarter for pages not yet reused)"
+    prefix_cache_mb: float = Field(
+        _prefix_cache_mb(), ge=0, description="host memory for cached pages and checkpoints, in MiB (default: a quarter of RAM, at most 8192)"
     )
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")

@@ -2,8 +2,7 @@
 
 Invariants:
 - a node's page covers positions [depth*page_rows, (depth+1)*page_rows) of every prompt that reaches it;
-- a node's cells carry exactly one cache-owned sequence id, its holder's; a page shared by many
-  donations is one node, held once;
+- a node's rows are kept by exactly one holder; a page shared by many donations is one node;
 - `lock_ref` counts live sessions reading the page; a locked node and its ancestors are never evicted;
 - eviction takes unlocked leaves, never-attached (cold) before attached (hot), least recently used
   first within each, so chains shrink from the tail;
@@ -28,9 +27,11 @@ def tick() -> int:
 
 @dataclass(eq=False)
 class Holder:
-    """A sequence id the cache owns; it lives while any node still keeps cells under it."""
+    """The saved rows of positions [0, n_tokens) of one donation (host memory); it lives while any
+    node still keeps a page in it."""
 
-    seq: int
+    blob: bytes
+    n_tokens: int
     n_nodes: int = 0
 
 

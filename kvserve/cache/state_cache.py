@@ -1,19 +1,15 @@
 """Checkpoints for models that carry state between tokens (Mamba, LFM2 and other hybrids).
 
-KV pages cannot restore a recurrent state, so this cache keeps checkpoints: the tokens, the
-recurrent state at exactly that position (a blob from `llama_state_seq_get_data_ext`) and, for
-hybrids, the attention cells of those tokens under a holder sequence id (shared, not copied).
-A prompt can attach a checkpoint only when it starts with all of its tokens.
+KV pages cannot restore a recurrent state, so this cache keeps checkpoints: the tokens and the
+whole sequence at exactly that position (its recurrent state and, for hybrids, its attention rows),
+a blob from `llama_state_seq_get_data` in host memory. A prompt can attach a checkpoint only when
+it starts with all of its tokens; attaching sets the blob into the session's empty stream.
 
 Invariants:
 - the blobs' bytes never exceed the budget, not even between insert and evict: room is made
   before a state is saved; the number of checkpoints never exceeds `max_states`;
 - eviction takes conversation checkpoints before opening ones, least recently used first, and
-  never one a live session was restored from;
-- a holder keeps positions [0, position) of its checkpoint; `own_cells` counts those no other
-  holder shares: the rest belong to its `base` (the checkpoint its session was restored from),
-  whose cells outlive its eviction under this holder. So `held_cells`, the sum over the
-  checkpoints kept and their bases, is the cells the holders keep.
+  never one a live session was restored from.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
-from kvserve.cache.kv_pool import SeqIds, Session
+from kvserve.cache.kv_pool import Session
 from kvserve.cache.page_tree import tick
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.context import Context
@@ -34,9 +30,6 @@ class Checkpoint:
     blob: bytes
     kind: MarkKind
     preview: str = ""  # a label for dashboards
-    holder: int | None = None
-    base: "Checkpoint | None" = None
-    own_cells: int = 0
     lock_ref: int = 0
     hits: int = 0
     last_access: int = field(default_factory=tick)
@@ -54,17 +47,15 @@ class StateCache(PrefixCache):
     keeps = "checkpoints"
     donates_prompt = False  # the prompt's end is the `close` mark plus a generation prompt: not worth a state
 
-    def __init__(self, ctx: Context, ids: SeqIds, page_rows: int, budget_bytes: int, max_states: int = 16,
+    def __init__(self, ctx: Context, page_rows: int, budget_bytes: int, max_states: int = 16,
                  min_gap: int | None = None) -> None:
         if not ctx.model.info.carries_state:
             raise ValueError("attention-only models need no checkpoints: use the page cache")
         self.ctx = ctx
-        self.ids = ids
         self.page_rows = page_rows
         self.budget_bytes = budget_bytes
         self.max_states = max_states
         self.min_gap = page_rows if min_gap is None else min_gap
-        self.hybrid = ctx.model.info.is_hybrid
         self.checkpoints: list[Checkpoint] = []
         self._locks: dict[Session, list[Checkpoint]] = {}
         self._state_size = 0  # of the last state saved: the estimate `checkpoint_at` decides by
@@ -72,27 +63,13 @@ class StateCache(PrefixCache):
         self._hit_tokens = 0
         self._restores = 0
         self._evictions = 0
-        self._evicted_cells = 0
-
-    # -- what the pool reads ----------------------------------------------------------------------
 
     @property
     def bytes_used(self) -> int:
         return sum(len(c.blob) for c in self.checkpoints)
 
-    @property
-    def held_cells(self) -> int:
-        return sum(c.own_cells for c in self._keeping_cells())
-
-    def _keeping_cells(self) -> set[Checkpoint]:
-        """The checkpoints kept and, transitively, their bases: an evicted base's cells live on
-        under the holders of the checkpoints taken after it."""
-        keeping: set[Checkpoint] = set()
-        for checkpoint in self.checkpoints:
-            while checkpoint is not None and checkpoint not in keeping:
-                keeping.add(checkpoint)
-                checkpoint = checkpoint.base
-        return keeping
+    def caps(self) -> dict:
+        return {"prefix_cache_bytes": self.budget_bytes, "prefix_states": self.max_states}
 
     # -- lookup -------------------------------------------------------------------------------------
 
@@ -110,18 +87,15 @@ class StateCache(PrefixCache):
         return found.position if found else 0
 
     def attach(self, session: Session, tokens: list[int]) -> int:
-        """Restore the deepest checkpoint into an empty session: its cells shared, its state loaded."""
+        """Set the deepest checkpoint into an empty session's stream."""
         if session.tokens:
             raise ValueError("attach needs an empty session")
         self._queried_tokens += len(tokens)
         found = self._match(tokens)
         if found is None:
             return 0
-        if found.holder is not None:
-            self.ctx.seq_cp(found.holder, session.seq, 0, found.position)
         self.ctx.load_state(session.seq, found.blob)
         session.tokens = list(found.tokens)
-        session.shared = found.position if found.holder is not None else 0
         self._lock(session, found)
         found.hits += 1
         self._restores += 1
@@ -159,17 +133,9 @@ class StateCache(PrefixCache):
         return self._save(session, kind, preview)
 
     def _save(self, session: Session, kind: MarkKind, preview: str) -> Checkpoint:
-        locked = self._locks.get(session)
-        base = locked[-1] if locked else None  # the deepest it restored or saved: its cells are shared
         checkpoint = Checkpoint(tokens=list(session.tokens), blob=self.ctx.save_state(session.seq), kind=kind,
                                 preview=preview[:80])
         self._state_size = len(checkpoint.blob)
-        if self.hybrid:
-            checkpoint.holder = self.ids.take(self.free_a_seq_id)
-            self.ctx.seq_cp(session.seq, checkpoint.holder, 0, session.n_past)
-            checkpoint.base = base
-            checkpoint.own_cells = session.n_past - (base.position if base else 0)
-            session.shared = session.n_past  # its cells are the checkpoint's from here on
         self.checkpoints.append(checkpoint)
         self._lock(session, checkpoint)
         return checkpoint
@@ -201,31 +167,10 @@ class StateCache(PrefixCache):
             self._evict(victim)
         return True
 
-    def evict(self, cells: int) -> int:
-        """Evict checkpoints that keep attention cells, in eviction order, until `cells` are freed.
-        A base of a checkpoint kept is passed over: its cells would stay, under that one's holder."""
-        before = self.held_cells
-        for victim in self._victims():
-            if before - self.held_cells >= cells:
-                break
-            if victim.own_cells and not any(c.base is victim for c in self.checkpoints):
-                self._evict(victim)
-        return before - self.held_cells
-
-    def free_a_seq_id(self) -> None:
-        victim = next((c for c in self._victims() if c.holder is not None), None)
-        if victim is not None:
-            self._evict(victim)
-
     def _evict(self, victim: Checkpoint) -> None:
-        held = self.held_cells
         self.checkpoints.remove(victim)
-        if victim.holder is not None:
-            self.ctx.seq_rm(victim.holder)
-            self.ids.give_back(victim.holder)
-        victim.blob = b""  # a base outlives its eviction only as the account of its cells
+        victim.blob = b""
         self._evictions += 1
-        self._evicted_cells += held - self.held_cells
 
     def release(self) -> None:
         if any(c.lock_ref for c in self.checkpoints):
@@ -235,18 +180,14 @@ class StateCache(PrefixCache):
 
     # -- what metrics and dashboards read -------------------------------------------------------------
 
-    def _pages(self, cells: int) -> int:
-        return -(-cells // self.page_rows)
-
     def stats(self) -> CacheStats:
         openings = sum(c.kind is MarkKind.OPENING for c in self.checkpoints)
         return CacheStats(
-            queried_tokens=self._queried_tokens, hit_tokens=self._hit_tokens,
-            evicted_pages=self._pages(self._evicted_cells), state_hits=self._restores,
-            state_evictions=self._evictions, held_pages=self._pages(self.held_cells), state_bytes=self.bytes_used,
+            queried_tokens=self._queried_tokens, hit_tokens=self._hit_tokens, state_hits=self._restores,
+            state_evictions=self._evictions, state_bytes=self.bytes_used, held_bytes=self.bytes_used,
             opening_checkpoints=openings, conversation_checkpoints=len(self.checkpoints) - openings,
         )
 
     def view(self) -> dict:
-        return {"enabled": True, "held_pages": self._pages(self.held_cells), "state_bytes": self.bytes_used,
+        return {"enabled": True, "held_pages": 0, "state_bytes": self.bytes_used,
                 "state_budget_bytes": self.budget_bytes, "checkpoints": [c.snapshot() for c in self.checkpoints]}
