@@ -92,7 +92,7 @@ def checkpoints(model_path: Path) -> None:
     stop = cache.checkpoint_at(a, turn_a.tokens, 0, turn_a.opening)
     pool.eval(a, turn_a.tokens[:stop])  # a recurrent state cannot be cut back: stop the prefill here
     checkpoint = cache.insert(a, a.tokens, kind=MarkKind.OPENING)
-    print(f"A stopped its prefill at {stop} and saved a {len(checkpoint.blob)}-byte state there")
+    print(f"A stopped its prefill at {stop} and saved a {checkpoint.nbytes}-byte state there")
     pool.eval(a, turn_a.tokens[stop:])
 
     chat_b = create_chat_renderer(model, SYSTEM)

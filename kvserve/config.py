@@ -21,13 +21,20 @@ def embedded_model_path() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
-def _prefix_cache_mb() -> int:
-    """A quarter of RAM, at most llama-server's 8 GiB prompt cache (`--cache-ram 8192`)."""
+# llama-server keeps up to this much of prompts' state in host memory by default (--cache-ram).
+LLAMA_SERVER_CACHE_RAM_MB = 8192
+
+
+def _quarter_of_ram_mb() -> int:
     try:
-        quarter = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (4 * 1024 * 1024)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (4 * 1024 * 1024)
     except (ValueError, OSError):
         return 1024
-    return min(quarter, 8192)
+
+
+def default_budget_mb() -> int:
+    """A default for `--prefix-cache-mb`: llama-server's 8 GiB, or a quarter of RAM where that is less."""
+    return min(LLAMA_SERVER_CACHE_RAM_MB, _quarter_of_ram_mb())
 
 
 class Settings(BaseSettings):
@@ -57,7 +64,7 @@ class Settings(BaseSettings):
     )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_cache_mb: float = Field(
-        _prefix_cache_mb(), ge=0, description="host memory for cached pages and checkpoints, in MiB (default: a quarter of RAM, at most 8192)"
+        default_budget_mb(), ge=0, description="host memory for cached pages and checkpoints, in MiB (default: a quarter of RAM, at most 8192)"
     )
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")

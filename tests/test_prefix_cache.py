@@ -113,10 +113,10 @@ def test_match_len_touches_nothing(tiny) -> None:
     pool.eval(a, prompt)
     cache.insert(a, a.tokens, preview="a")
     pool.end_session(a)
-    before = (cache.view()["chains"], [n.last_access for n in cache.tree._all_nodes()])
+    before = (cache.view()["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
     assert cache.match_len(prompt) > 0
     assert cache.match_len(prompt + [5, 6, 7]) > 0
-    after = (cache.view()["chains"], [n.last_access for n in cache.tree._all_nodes()])
+    after = (cache.view()["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
     assert after == before
     b = pool.new_session()
     cache.attach(b, prompt)
@@ -168,7 +168,7 @@ def test_a_stream_keeps_its_rows_for_the_next_turn(tiny) -> None:
     """A session that continues what an idle stream holds is placed there and evaluates only its tail;
     one that shares part of it keeps that part (the rest is cut); equality with scratch both times."""
     model = Model(tiny("llama"))
-    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=3, enabled=False)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=3)
     turn1 = model.tokenize(SYSTEM + " First question?", add_special=True)
     a = pool.new_session(turn1)
     answer = _generate(pool, a, turn1, 5)
@@ -247,7 +247,7 @@ def test_pages_go_least_recently_used_first(tiny) -> None:
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, budget_bytes=1 << 30)
     _donate(pool, cache, prompts[0])
     one = cache.bytes_used
-    cache.budget_bytes = 2 * one + one // 2  # room for two donations
+    cache.store.budget_bytes = 2 * one  # room for two donations (each as long as the first)
     for prompt in prompts[1:]:
         _donate(pool, cache, prompt)
         assert cache.bytes_used <= cache.budget_bytes
@@ -264,7 +264,7 @@ def test_cold_pages_go_before_hot_ones(tiny) -> None:
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, budget_bytes=1 << 30)
     shared = model.tokenize("A shared system prompt: " + "rules and rules " * 12, add_special=True)
     _donate(pool, cache, shared)
-    cache.budget_bytes = 3 * cache.bytes_used
+    cache.store.budget_bytes = 3 * cache.bytes_used
     reader = pool.new_session()
     hot = cache.attach(reader, shared + [5])
     pool.end_session(reader)
@@ -274,7 +274,9 @@ def test_cold_pages_go_before_hot_ones(tiny) -> None:
         assert cache.match_len(shared + [5]) == hot
         assert cache.bytes_used <= cache.budget_bytes
     assert cache.stats().evicted_pages > 0 and cache.tree.n_cold > 0
-    cache.evict_pages(cache.tree.n_cold)  # exactly the cold pages: the older hot pages stay
+    cold = [node for node in cache.tree.leaves_first() if not node.hits]
+    cache.store.evict(sum(cache.store.peek(node).nbytes for node in cold))  # exactly the cold pages' bytes
+    assert not any(node.alive for node in cold)
     assert cache.tree.n_cold == 0 and cache.match_len(shared + [5]) == hot
     cache.release()
     pool.close()

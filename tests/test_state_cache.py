@@ -131,7 +131,7 @@ def test_flood_keeps_the_budget_and_evicts_conversations_first(tiny, arch: str) 
         e.pool.end_session(probe)
         # Room for four states: two openings, the running turn's locked close, and its end-of-turn,
         # so every older conversation checkpoint must go before an opening does.
-        cache.budget_bytes = 4 * state_size
+        cache.store.budget_bytes = 4 * state_size
         peak = 0
         for i in range(12):
             messages = [{"role": "system", "content": systems[i % 2]},

@@ -23,6 +23,7 @@ from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import (
     Chat, Mark, MarkedTurn, MarkKind, add_assistant, add_user, create_chat_renderer, render_turn_marked,
 )
+from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import KvPool, PoolExhausted, Session, StreamPool
 from kvserve.cache.no_cache import NoCache
 from kvserve.cache.page_cache import Chain, PageCache
@@ -36,16 +37,15 @@ DEFAULT_CACHE_BUDGET = 256 * 1024 * 1024
 
 def create_prefix_cache(ctx: Context, page_rows: int, *, enabled: bool = True,
                         budget_bytes: int = DEFAULT_CACHE_BUDGET, max_states: int = 16) -> PrefixCache:
-    """The cache serving `ctx`'s sessions, within `budget_bytes` of host memory: pages for attention
-    models, checkpoints (at most `max_states`) for models that carry state, nothing when not
-    `enabled` or for a sliding-window model (whose streams keep only their last window)."""
+    """The cache serving `ctx`'s sessions, within `budget_bytes` of host memory (one store): pages
+    for attention models, checkpoints (at most `max_states`) for models that carry state, nothing
+    when not `enabled`."""
     if not enabled:
         return NoCache()
+    store: HostStore = HostStore(budget_bytes)
     if ctx.model.info.carries_state:
-        return StateCache(ctx, page_rows, budget_bytes, max_states)
-    if ctx.n_swa:
-        return NoCache()
-    return PageCache(ctx, page_rows, budget_bytes)
+        return StateCache(ctx, page_rows, store, max_states)
+    return PageCache(ctx, page_rows, store)
 
 
 def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, n_streams: int = 8,
@@ -61,7 +61,7 @@ def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, 
 
 
 __all__ = [
-    "CacheStats", "Chain", "Chat", "Checkpoint", "KvPool", "Mark", "MarkKind", "MarkedTurn", "NoCache", "PageCache",
+    "CacheStats", "Chain", "Chat", "Checkpoint", "HostStore", "KvPool", "Mark", "MarkKind", "MarkedTurn", "NoCache", "PageCache",
     "PoolExhausted", "PrefixCache", "Session", "StateCache", "StreamPool", "add_assistant", "add_user",
     "create_chat_renderer", "create_kv_pool", "create_prefix_cache", "render_turn_marked",
 ]

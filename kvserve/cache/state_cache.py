@@ -2,24 +2,27 @@
 
 KV pages cannot restore a recurrent state, so this cache keeps checkpoints: the tokens and the
 whole sequence at exactly that position (its recurrent state and, for hybrids, its attention rows),
-a blob from `llama_state_seq_get_data` in host memory. A prompt can attach a checkpoint only when
-it starts with all of its tokens; attaching sets the blob into the session's empty stream.
+a blob from `llama_state_seq_get_data`, kept whole in the host store. A prompt can attach a
+checkpoint only when it starts with all of its tokens; attaching sets the blob into the session's
+empty stream.
 
 Invariants:
-- the blobs' bytes never exceed the budget, not even between insert and evict: room is made
-  before a state is saved; the number of checkpoints never exceeds `max_states`;
-- eviction takes conversation checkpoints before opening ones, least recently used first, and
-  never one a live session was restored from.
+- the blobs' bytes never exceed the store's budget, not even between insert and evict: the store
+  makes room before it keeps a state; the number of checkpoints never exceeds `max_states`;
+- eviction takes conversation checkpoints before opening ones, then cold before hot, least
+  recently used first, and never one a live session restored or saved.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
+from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
-from kvserve.cache.page_tree import tick
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.context import Context
 
@@ -27,33 +30,37 @@ from kvserve.llama.context import Context
 @dataclass(eq=False)
 class Checkpoint:
     tokens: list[int]
-    blob: bytes
     kind: MarkKind
+    nbytes: int
     preview: str = ""  # a label for dashboards
-    lock_ref: int = 0
     hits: int = 0
-    last_access: int = field(default_factory=tick)
 
     @property
     def position(self) -> int:
         return len(self.tokens)
 
     def snapshot(self) -> dict:
-        return {"position": self.position, "kind": self.kind.value, "bytes": len(self.blob), "hits": self.hits,
+        return {"position": self.position, "kind": self.kind.value, "bytes": self.nbytes, "hits": self.hits,
                 "preview": self.preview}
+
+
+def _rank(kind: MarkKind) -> int:
+    """Lower goes first: conversation checkpoints before openings."""
+    return 1 if kind is MarkKind.OPENING else 0
 
 
 class StateCache(PrefixCache):
     keeps = "checkpoints"
     donates_prompt = False  # the prompt's end is the `close` mark plus a generation prompt: not worth a state
 
-    def __init__(self, ctx: Context, page_rows: int, budget_bytes: int, max_states: int = 16,
+    def __init__(self, ctx: Context, page_rows: int, store: HostStore[Checkpoint, np.ndarray], max_states: int = 16,
                  min_gap: int | None = None) -> None:
         if not ctx.model.info.carries_state:
             raise ValueError("attention-only models need no checkpoints: use the page cache")
         self.ctx = ctx
         self.page_rows = page_rows
-        self.budget_bytes = budget_bytes
+        self.store = store
+        store.on_evict = self._evicted
         self.max_states = max_states
         self.min_gap = page_rows if min_gap is None else min_gap
         self.checkpoints: list[Checkpoint] = []
@@ -66,10 +73,14 @@ class StateCache(PrefixCache):
 
     @property
     def bytes_used(self) -> int:
-        return sum(len(c.blob) for c in self.checkpoints)
+        return self.store.bytes_used
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.store.budget_bytes
 
     def caps(self) -> dict:
-        return {"prefix_cache_bytes": self.budget_bytes, "prefix_states": self.max_states}
+        return {"prefix_cache_bytes": self.store.budget_bytes, "prefix_states": self.max_states}
 
     # -- lookup -------------------------------------------------------------------------------------
 
@@ -94,7 +105,7 @@ class StateCache(PrefixCache):
         found = self._match(tokens)
         if found is None:
             return 0
-        self.ctx.load_state(session.seq, found.blob)
+        self.ctx.write_seq_state(session.seq, self.store.get(found))
         session.tokens = list(found.tokens)
         self._lock(session, found)
         found.hits += 1
@@ -112,8 +123,8 @@ class StateCache(PrefixCache):
             return 0  # too close to what is already restored, or no token left to evaluate
         if any(c.tokens == tokens[:mark] for c in self.checkpoints):
             return 0  # already cached there
-        if self._state_size > self.budget_bytes:
-            return 0  # the last state saved would not fit even in an empty budget
+        if not self.store.fits(self._state_size):
+            return 0  # the last state saved would not fit even after every eviction
         return mark
 
     def insert(self, session: Session, tokens: list[int], preview: str = "",
@@ -124,59 +135,49 @@ class StateCache(PrefixCache):
             raise ValueError("a checkpoint is taken where the session stands: tokens must be its history")
         for c in self.checkpoints:
             if c.tokens == session.tokens:
-                c.last_access = tick()
-                if kind is MarkKind.OPENING:
+                self.store.touch(c)
+                if kind is MarkKind.OPENING and c.kind is not kind:
                     c.kind = kind
+                    self.store.rerank(c, _rank(kind))
                 return c
-        if not self._make_room(self.ctx.state_size(session.seq)):
+        self._state_size = self.ctx.state_size(session.seq)
+        if not self.store.fits(self._state_size) or not self._below_max_states():
             return None
-        return self._save(session, kind, preview)
-
-    def _save(self, session: Session, kind: MarkKind, preview: str) -> Checkpoint:
-        checkpoint = Checkpoint(tokens=list(session.tokens), blob=self.ctx.save_state(session.seq), kind=kind,
-                                preview=preview[:80])
-        self._state_size = len(checkpoint.blob)
+        blob = self.ctx.read_seq_state(session.seq)
+        checkpoint = Checkpoint(tokens=list(session.tokens), kind=kind, nbytes=blob.nbytes, preview=preview[:80])
+        if not self.store.put(checkpoint, blob, rank=_rank(kind)):
+            return None
         self.checkpoints.append(checkpoint)
         self._lock(session, checkpoint)
         return checkpoint
 
+    def _below_max_states(self) -> bool:
+        """Fewer than `max_states` checkpoints, once the store evicted what it may for that."""
+        while len(self.checkpoints) >= self.max_states:
+            if not self.store.evict(1):
+                return False
+        return True
+
     # -- locks and eviction -------------------------------------------------------------------------
 
     def _lock(self, session: Session, checkpoint: Checkpoint) -> None:
-        checkpoint.lock_ref += 1
-        checkpoint.last_access = tick()
+        self.store.lock(checkpoint)
         self._locks.setdefault(session, []).append(checkpoint)
 
     def unlock(self, session: Session) -> None:
         for checkpoint in self._locks.pop(session, []):
-            checkpoint.lock_ref -= 1
+            self.store.unlock(checkpoint)
 
-    def _victims(self) -> list[Checkpoint]:
-        """Unlocked checkpoints in eviction order: conversation before opening, then oldest first."""
-        free = [c for c in self.checkpoints if c.lock_ref == 0]
-        return sorted(free, key=lambda c: (c.kind is MarkKind.OPENING, c.last_access))
-
-    def _make_room(self, size: int) -> bool:
-        if size > self.budget_bytes:
-            return False
-        victims = iter(self._victims())
-        while self.bytes_used + size > self.budget_bytes or len(self.checkpoints) >= self.max_states:
-            victim = next(victims, None)
-            if victim is None:
-                return False
-            self._evict(victim)
-        return True
-
-    def _evict(self, victim: Checkpoint) -> None:
-        self.checkpoints.remove(victim)
-        victim.blob = b""
+    def _evicted(self, checkpoint: Checkpoint) -> None:
+        self.checkpoints.remove(checkpoint)
         self._evictions += 1
 
     def release(self) -> None:
-        if any(c.lock_ref for c in self.checkpoints):
+        if any(self._locks.values()):
             raise RuntimeError("sessions still use checkpoints: end them first")
-        for victim in list(self.checkpoints):
-            self._evict(victim)
+        for checkpoint in self.checkpoints:
+            self.store.discard(checkpoint)
+        self.checkpoints.clear()
 
     # -- what metrics and dashboards read -------------------------------------------------------------
 
@@ -189,5 +190,5 @@ class StateCache(PrefixCache):
         )
 
     def view(self) -> dict:
-        return {"enabled": True, "held_pages": 0, "state_bytes": self.bytes_used,
-                "state_budget_bytes": self.budget_bytes, "checkpoints": [c.snapshot() for c in self.checkpoints]}
+        return {"enabled": True, "held_pages": 0, "state_bytes": self.bytes_used, "held_bytes": self.bytes_used,
+                "state_budget_bytes": self.budget_bytes, "budget_bytes": self.budget_bytes, "checkpoints": [c.snapshot() for c in self.checkpoints]}

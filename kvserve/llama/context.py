@@ -144,21 +144,28 @@ class Context:
     def seq_pos_min(self, seq: int) -> int:
         return llama_cpp.llama_memory_seq_pos_min(self._mem, seq)
 
-    # -- state: a sequence's rows (and recurrent state) as bytes ---------------------------------------
+    # -- state: a sequence's memory as llama.cpp serializes it (kvserve.llama.seq_state reads it) -----
 
     def state_size(self, seq: int, flags: int = 0) -> int:
         return llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, flags)
 
-    def save_state(self, seq: int, flags: int = 0) -> bytes:
-        """The whole of `seq` (its KV rows, and its recurrent state if the model has one)."""
+    def read_seq_state(self, seq: int, flags: int = 0) -> np.ndarray:
+        """`seq`'s state blob (`flags`: llama_state_seq_flags; 0: its KV rows and any recurrent
+        state), in a buffer of its own."""
         size = self.state_size(seq, flags)
-        buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data_ext(self._ptr, buf, size, seq, flags)
-        return bytes(buf[:written])
+        buf = np.empty(size, dtype=np.uint8)
+        written = llama_cpp.llama_state_seq_get_data_ext(self._ptr, _u8_pointer(buf), size, seq, flags)
+        if written != size:
+            raise RuntimeError(f"llama.cpp wrote {written} of {size} state bytes for seq {seq}")
+        return buf
 
-    def load_state(self, seq: int, blob: bytes, flags: int = 0) -> None:
-        """Set a saved sequence into `seq`, whose stream must be empty."""
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        read = llama_cpp.llama_state_seq_set_data_ext(self._ptr, buf, len(blob), seq, flags)
-        if read != len(blob):
-            raise RuntimeError(f"llama.cpp restored {read} of {len(blob)} state bytes for seq {seq}")
+    def write_seq_state(self, seq: int, blob: np.ndarray | bytes, flags: int = 0) -> None:
+        """Replace `seq`'s memory with `blob`. Raises when llama.cpp refuses it (`seq` is empty then)."""
+        buf = np.frombuffer(blob, dtype=np.uint8)
+        read = llama_cpp.llama_state_seq_set_data_ext(self._ptr, _u8_pointer(buf), buf.size, seq, flags)
+        if read != buf.size:
+            raise RuntimeError(f"llama.cpp restored {read} of {buf.size} state bytes for seq {seq}")
+
+
+def _u8_pointer(buf: np.ndarray) -> "ctypes._Pointer[ctypes.c_uint8]":
+    return buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))

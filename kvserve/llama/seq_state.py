@@ -1,0 +1,451 @@
+"""A sequence's KV rows out of llama.cpp, cut into pages by position, and back into a sequence.
+
+The only code that knows the per-sequence state format (`llama_kv_cache::state_write` at the pinned
+llama.cpp) that `llama_state_seq_get_data` writes for a context whose memory is a KV cache:
+
+    u32 magic, i32 seq id                                      the header, kept as it is
+    one section per KV cache: one, or two for sliding-window (iSWA) models, full layers then SWA layers
+      u32 n_stream; per stream: u32 n_cells and, where n_cells > 0 (one stream: this sequence's):
+        per cell, in cell order: i32 pos, u32 n_seq (1), [12-byte ext: M-RoPE/PLE models], i32 seq (0 in pages)
+        u32 v_trans, u32 n_layer
+        per layer: i32 K type, u64 K row bytes, then every cell's K row
+        per layer, V as rows: i32 type, u64 row bytes, then every cell's V row
+        per layer, V transposed: i32 type, u32 element bytes, u32 n_embd_v, then per element, every cell's
+
+Read, a section becomes a table with one row per cell in position order: its metadata, then every
+layer's K row and V row (a transposed V gathered per cell). A `KvPage` holds, per section, the table
+rows of one run of positions, so pages are stored apart and joined again by concatenation.
+
+Invariants:
+- `assemble` of pages covering [0, n) gives a blob that llama.cpp restores to exactly positions 0..n-1
+  (`attach` checks it through `llama_memory_seq_pos_max`) holding the donor's rows byte for byte;
+- a page owns its rows: nothing keeps the donor's blob alive;
+- the layout (sections, metadata size, each layer's row sizes) is learned from the first blob read and
+  checked by writing that blob back byte for byte; a blob that does not fit it raises StateFormatError.
+
+Sliding-window models: for one sequence, `state_write` leaves out the cells its SWA layers no longer
+attend, so a blob of L tokens holds SWA rows only for its last window (the base layers hold all L).
+A page keeps the SWA rows its positions had (always a suffix of the page). Restoring [0, n) needs
+the SWA rows of [n - n_swa + 1, n), the ones the next token attends (a chunked window needs fewer):
+where a page lacks them, `restorable` is False and `assemble` raises MissingRows. So pages donated
+from far past a prefix's end restore the full layers only; such a prefix is refused, not guessed.
+
+Models that carry state (recurrent, hybrid) are refused: their checkpoints are whole opaque blobs
+(`Context.save_state` / `load_state`) that a host store keeps as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+from kvserve.llama.context import Context
+
+_MAGIC = 0xAF143CD8
+_HEADER_BYTES = 8  # u32 magic, i32 seq id
+_CELL_BYTES = 12  # i32 pos, u32 n_seq, i32 seq
+_EXT_BYTES = 12  # llama_kv_cell_ext: i32 x, i32 y, i32 token
+_BLOCK_HEAD_BYTES = 12  # i32 type and u64 row bytes, or i32 type, u32 element bytes and u32 n_embd_v
+_MAX_GGML_TYPE = 64
+
+
+class StateFormatError(ValueError):
+    """A state blob this module cannot read: another llama.cpp version, memory kind or attention pattern."""
+
+
+class MissingRows(LookupError):
+    """The pages lack rows a restore needs (sliding-window rows past their window)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One layer's K or V in a section: `row_bytes` per cell; `n_embd` > 0 for a transposed V."""
+
+    head: bytes
+    row_bytes: int
+    n_embd: int = 0
+
+
+@dataclass(frozen=True)
+class _Section:
+    n_stream: int
+    meta_bytes: int
+    data_head: bytes  # u32 v_trans, u32 n_layer
+    blocks: tuple[_Block, ...]
+    sliding: bool
+
+    @property
+    def width(self) -> int:
+        return self.meta_bytes + sum(b.row_bytes for b in self.blocks)
+
+    def size(self, n_cells: int) -> int:
+        if not n_cells:
+            return 4 + 4 * self.n_stream
+        return 4 + 4 * self.n_stream + len(self.data_head) + _BLOCK_HEAD_BYTES * len(self.blocks) + n_cells * self.width
+
+
+@dataclass(frozen=True)
+class KvPage:
+    """Rows of positions [start, start + n_rows), all layers: per section, a table whose rows are the
+    last `len(table)` of those positions in order (all of them, except sliding-window rows gone)."""
+
+    start: int
+    n_rows: int
+    tables: tuple[np.ndarray, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n_rows
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tables)
+
+    def first_present(self, section: int) -> int:
+        return self.end - len(self.tables[section])
+
+
+@dataclass(frozen=True)
+class SeqRows:
+    """One sequence's cells as read: per section, (first position, table in position order)."""
+
+    length: int
+    tables: tuple[tuple[int, np.ndarray], ...]
+
+
+class _Reader:
+    def __init__(self, blob: np.ndarray) -> None:
+        self.blob = blob
+        self.at = 0
+
+    def take(self, n: int) -> np.ndarray:
+        if n < 0 or self.at + n > self.blob.size:
+            raise StateFormatError("state blob ends early")
+        out = self.blob[self.at : self.at + n]
+        self.at += n
+        return out
+
+    def u32(self) -> int:
+        return int(self.take(4).view(np.uint32)[0])
+
+
+class SeqState:
+    """Reads, cuts, joins and loads the KV rows of `ctx`'s sequences. One thread, like the context."""
+
+    def __init__(self, ctx: Context) -> None:
+        if ctx.model.info.carries_state:
+            raise StateFormatError("a recurrent or hybrid model's state is not paged: keep whole checkpoints")
+        self.ctx = ctx
+        self.n_swa = int(llama_cpp.llama_model_n_swa(ctx.model.ptr))
+        self._layout: tuple[_Section, ...] | None = None
+        self._header = b""
+
+    @property
+    def row_bytes(self) -> int:
+        """K and V bytes of one token over every layer (0 until a sequence was read)."""
+        return sum(b.row_bytes for s in self._layout or () for b in s.blocks)
+
+    # -- out of a sequence --------------------------------------------------------------------------
+
+    def read(self, seq: int, first: int = 0) -> SeqRows:
+        """The cells `seq` holds from position `first` on, as tables in position order."""
+        return self.parse(self.ctx.read_seq_state(seq), first)
+
+    def donate(self, seq: int, page_rows: int, first_page: int = 0, n_pages: int | None = None) -> list[KvPage]:
+        """Pages `first_page ..` of `seq` (as many whole pages as it holds, or `n_pages`); only
+        their rows are copied out of the blob."""
+        return self.cut(self.read(seq, first_page * page_rows), page_rows, first_page, n_pages)
+
+    def cut(self, rows: SeqRows, page_rows: int, first_page: int = 0, n_pages: int | None = None) -> list[KvPage]:
+        if page_rows < 1:
+            raise ValueError("page_rows must be >= 1")
+        whole = rows.length // page_rows
+        last = whole if n_pages is None else first_page + n_pages
+        if not 0 <= first_page <= last <= whole:
+            raise ValueError(f"pages {first_page}..{last} exceed the {whole} whole pages held")
+        if rows.tables and first_page * page_rows < rows.tables[0][0]:
+            raise ValueError("those rows were not read")
+        return [self._page(rows, i * page_rows, page_rows) for i in range(first_page, last)]
+
+    @staticmethod
+    def _page(rows: SeqRows, start: int, n: int) -> KvPage:
+        tables = []
+        for first, table in rows.tables:
+            lo = min(max(start - first, 0), len(table))
+            hi = min(max(start + n - first, 0), len(table))
+            tables.append(table[lo:hi].copy())
+        return KvPage(start, n, tuple(tables))
+
+    def parse(self, blob: np.ndarray, first: int = 0) -> SeqRows:
+        """A blob's cells from position `first` on (all of them while the layout is being learned)."""
+        learning = self._layout is None
+        reader = _Reader(blob)
+        header = reader.take(_HEADER_BYTES)
+        if int(header[:4].view(np.uint32)[0]) != _MAGIC:
+            raise StateFormatError("not a sequence state blob (magic)")
+        sections: list[_Section] = []
+        cells: list[_Cells] = []
+        while reader.at < blob.size:
+            index = len(sections)
+            known = self._layout[index] if self._layout and index < len(self._layout) else None
+            section, found = self._read_section(reader, known, index, 0 if learning else first)
+            sections.append(section)
+            cells.append(found)
+        self._check_sections(sections)
+        if learning and all(len(c.table) for c in cells):
+            self._learn(tuple(sections), header.tobytes(), blob, cells)
+        for section, found in zip(sections, cells):  # llama.cpp reads the donor's id and ignores it
+            found.table[:, section.meta_bytes - 4 : section.meta_bytes] = 0
+        return self._rows(sections, cells)
+
+    def _learn(self, layout: tuple[_Section, ...], header: bytes, blob: np.ndarray, cells: list[_Cells]) -> None:
+        """Take `layout` once writing the cells back in their order gives the blob byte for byte."""
+        self._layout, self._header = layout, header
+        if not np.array_equal(self._write([(c.stream, c.as_written()) for c in cells], header), blob):
+            self._layout = None
+            raise StateFormatError("the state layout read does not write back byte for byte")
+
+    def _check_sections(self, sections: list[_Section]) -> None:
+        if len(sections) not in (1, 2) or (len(sections) == 2 and not self.n_swa):
+            raise StateFormatError(f"{len(sections)} KV sections: not a KV cache this module knows")
+        if self._layout is not None and len(sections) != len(self._layout):
+            raise StateFormatError("the section count changed")
+
+    def _read_section(self, reader: _Reader, known: _Section | None, index: int, first: int) -> tuple[_Section, _Cells]:
+        n_stream = reader.u32()
+        found, section, seen = _Cells.empty(), known, False
+        for s in range(n_stream):
+            n = reader.u32()
+            if n:
+                if seen:
+                    raise StateFormatError("a sequence's cells in two streams")
+                seen = True
+                section = known if known is not None and known.blocks else self._read_layout(reader, n, n_stream, index)
+                found = _read_cells(reader, n, section, s, first)
+        if section is None:  # no cell to learn the layout from
+            section = _Section(n_stream, 0, b"", (), sliding=index == 1)
+        if section.n_stream != n_stream:
+            raise StateFormatError("the stream count changed")
+        return section, found
+
+    @staticmethod
+    def _read_layout(reader: _Reader, n: int, n_stream: int, index: int) -> _Section:
+        """The layout of the cells at the reader (which stays where it was), trying each metadata size."""
+        start = reader.at
+        for meta_bytes in (_CELL_BYTES, _CELL_BYTES + _EXT_BYTES):
+            reader.at = start
+            try:
+                return _read_blocks(reader, n, n_stream, meta_bytes, index)
+            except StateFormatError:
+                continue
+            finally:
+                reader.at = start
+        raise StateFormatError("unrecognized cell layout")
+
+    def _rows(self, sections: list[_Section], cells: list[_Cells]) -> SeqRows:
+        """Check what a sequence holds: full layers 0..L-1, sliding-window layers a run ending at L-1."""
+        tables, length = [], 0
+        for section, found in zip(sections, cells):
+            lo, hi = found.span
+            if not section.sliding:
+                if hi > lo and lo != 0:
+                    raise StateFormatError("a sequence that does not start at position 0")
+                length = hi
+            elif hi > lo and hi != length:
+                raise StateFormatError("sliding-window rows that are not the sequence's last ones")
+            tables.append((found.first if len(found.table) else max(found.first, length), found.table))
+        return SeqRows(length, tuple(tables))
+
+    # -- into a sequence ----------------------------------------------------------------------------
+
+    def restorable(self, pages: list[KvPage], n: int) -> bool:
+        """Whether `assemble(pages, n)` has every row it needs."""
+        try:
+            self._spans(pages, n)
+        except MissingRows:
+            return False
+        return True
+
+    def attach(self, seq: int, pages: list[KvPage], n: int) -> None:
+        """Load positions [0, n) from `pages` into `seq`, replacing whatever it held."""
+        self.ctx.write_seq_state(seq, self.assemble(pages, n))
+        if self.ctx.seq_pos_max(seq) != n - 1:
+            self.ctx.seq_rm(seq)
+            raise RuntimeError(f"restored positions end at {self.ctx.seq_pos_max(seq)}, not {n - 1}")
+
+    def assemble(self, pages: list[KvPage], n: int) -> np.ndarray:
+        """The state blob of positions [0, n) of `pages` (consecutive from position 0)."""
+        if self._layout is None:
+            raise StateFormatError("no sequence read yet: the layout is unknown")
+        found = []
+        for s, (first, used) in enumerate(self._spans(pages, n)):
+            parts = [_rows(p, s, first, n) for p in used]
+            table = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty((0, 0), np.uint8)
+            found.append((0, table))
+        return self._write(found, self._header)
+
+    def _spans(self, pages: list[KvPage], n: int) -> list[tuple[int, list[KvPage]]]:
+        """Per section: the first position restored and the pages it comes from."""
+        if n < 1:
+            raise ValueError("nothing to restore")
+        covered = 0
+        for page in pages:
+            if page.start != covered:
+                raise ValueError(f"pages must be consecutive from position 0: one starts at {page.start}, not {covered}")
+            covered = page.end
+        if covered < n:
+            raise ValueError(f"pages cover {covered} positions, not {n}")
+        used = [p for p in pages if p.start < n]
+        return [self._sliding_span(used, n, s) if section.sliding else (0, used)
+                for s, section in enumerate(self._layout or ())]
+
+    def _sliding_span(self, used: list[KvPage], n: int, s: int) -> tuple[int, list[KvPage]]:
+        """The run of SWA rows ending at n: back to the window's start, or where rows stop."""
+        want = max(0, n - self.n_swa)
+        first = n
+        for page in reversed(used):
+            present = page.first_present(s)
+            if present >= first or page.start >= first or first > page.end:
+                break
+            first = max(present, want)
+            if first == want or present > page.start:
+                break
+        if first > max(0, n - self.n_swa + 1):
+            raise MissingRows(f"sliding-window rows of positions {max(0, n - self.n_swa + 1)}..{first - 1} are gone")
+        return first, [p for p in used if p.end > first]
+
+    def _write(self, found: list[tuple[int, np.ndarray]], header: bytes) -> np.ndarray:
+        """A blob of `found`: per section, (stream index, table in the order to write)."""
+        layout = self._layout
+        assert layout is not None
+        out = np.empty(_HEADER_BYTES + sum(s.size(len(t)) for s, (_, t) in zip(layout, found)), np.uint8)
+        out[:_HEADER_BYTES] = np.frombuffer(header, np.uint8)
+        at = _HEADER_BYTES
+        for section, (stream, table) in zip(layout, found):
+            at = _write_section(out, at, section, stream, table)
+        assert at == out.size
+        return out
+
+
+def _write_section(out: np.ndarray, at: int, section: _Section, stream: int, table: np.ndarray) -> int:
+    n = len(table)
+    counts = np.zeros(1 + section.n_stream, np.uint32)
+    counts[0] = section.n_stream
+    counts[1 + stream] = n
+    head = counts[: 2 + stream].view(np.uint8)
+    out[at : at + head.size] = head
+    at += head.size
+    if n:
+        at = _put(out, at, table[:, : section.meta_bytes])
+        at = _put(out, at, np.frombuffer(section.data_head, np.uint8))
+        col = section.meta_bytes
+        for block in section.blocks:
+            at = _put(out, at, np.frombuffer(block.head, np.uint8))
+            cells = _block_view(table, col, block)
+            size = n * block.row_bytes
+            dest = out[at : at + size]
+            if block.n_embd:
+                dest.reshape(block.n_embd, n, -1)[...] = cells.transpose(1, 0, 2)
+            else:
+                dest.reshape(n, -1)[...] = cells
+            at += size
+            col += block.row_bytes
+    tail = counts[2 + stream :].view(np.uint8)
+    out[at : at + tail.size] = tail
+    return at + tail.size
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """One section's cells as read: `table` holds those from position `first` on, in position order;
+    `span` is [lowest, highest + 1) of all of them; `order` sorted the cells as written."""
+
+    stream: int
+    span: tuple[int, int]
+    first: int
+    table: np.ndarray
+    order: np.ndarray
+
+    @staticmethod
+    def empty() -> "_Cells":
+        return _Cells(0, (0, 0), 0, np.empty((0, 0), np.uint8), np.empty(0, np.intp))
+
+    def as_written(self) -> np.ndarray:
+        return self.table[np.argsort(self.order)]
+
+
+def _read_blocks(reader: _Reader, n: int, n_stream: int, meta_bytes: int, index: int) -> _Section:
+    meta = reader.take(n * meta_bytes).view(np.int32).reshape(n, meta_bytes // 4)
+    if not (meta[:, 1] == 1).all():
+        raise StateFormatError("a cell with other than one sequence")
+    data_head = reader.take(8)
+    v_trans, n_layer = (int(x) for x in data_head.view(np.uint32))
+    if v_trans > 1 or not 0 <= n_layer <= 4096:
+        raise StateFormatError("bad layer header")
+    blocks = []
+    for i in range(2 * n_layer):
+        head = reader.take(_BLOCK_HEAD_BYTES)
+        kind = int(head[:4].view(np.int32)[0])
+        if v_trans and i >= n_layer:
+            el, n_embd = (int(x) for x in head[4:].view(np.uint32))
+            block = _Block(head.tobytes(), el * n_embd, n_embd)
+        else:
+            block = _Block(head.tobytes(), int(head[4:].view(np.uint64)[0]))
+        if not 0 <= kind < _MAX_GGML_TYPE or block.row_bytes <= 0:
+            raise StateFormatError("bad K/V block header")
+        reader.take(n * block.row_bytes)
+        blocks.append(block)
+    return _Section(n_stream, meta_bytes, data_head.tobytes(), tuple(blocks), sliding=index == 1)
+
+
+def _read_cells(reader: _Reader, n: int, section: _Section, stream: int, first: int) -> _Cells:
+    """The cells at the reader, those from position `first` on copied into a table in position order."""
+    meta = reader.take(n * section.meta_bytes).reshape(n, section.meta_bytes)
+    positions = meta.view(np.int32)[:, 0]
+    order = np.argsort(positions, kind="stable")
+    ranked = positions[order]
+    span = (int(ranked[0]), int(ranked[-1]) + 1)
+    if span[1] - span[0] != n or (n > 1 and not (ranked[1:] > ranked[:-1]).all()):
+        raise StateFormatError("a sequence with a hole in its positions")
+    skip = min(max(first - span[0], 0), n)
+    keep: slice | np.ndarray = slice(skip, n) if (order[skip:] == np.arange(skip, n)).all() else order[skip:]
+    table = np.empty((n - skip, section.width), np.uint8)
+    table[:, : section.meta_bytes] = meta[keep]
+    if reader.take(len(section.data_head)).tobytes() != section.data_head:
+        raise StateFormatError("the layer header changed")
+    col = section.meta_bytes
+    for block in section.blocks:
+        if reader.take(_BLOCK_HEAD_BYTES).tobytes() != block.head:
+            raise StateFormatError("a K/V type or row size changed")
+        _block_view(table, col, block)[...] = _as_cells(reader.take(n * block.row_bytes), n, block)[keep]
+        col += block.row_bytes
+    return _Cells(stream, span, span[0] + skip, table, order[skip:])
+
+
+def _rows(page: KvPage, section: int, first: int, n: int) -> np.ndarray:
+    """The page's rows of positions [first, n) in `section`."""
+    present = page.first_present(section)
+    return page.tables[section][max(first, present) - present : min(page.end, n) - present]
+
+
+def _put(out: np.ndarray, at: int, data: np.ndarray) -> int:
+    out[at : at + data.size].reshape(data.shape)[...] = data
+    return at + data.size
+
+
+def _block_view(table: np.ndarray, col: int, block: _Block) -> np.ndarray:
+    """The table's columns of `block`: (cells, row bytes), or (cells, n_embd, element bytes) if transposed."""
+    view = table[:, col : col + block.row_bytes]
+    if block.n_embd:
+        view = view.view()
+        view.shape = (len(table), block.n_embd, block.row_bytes // block.n_embd)  # a view, never a copy
+    return view
+
+
+def _as_cells(data: np.ndarray, n: int, block: _Block) -> np.ndarray:
+    """A block's bytes as written, arranged like `_block_view`."""
+    if block.n_embd:
+        return data.reshape(block.n_embd, n, -1).transpose(1, 0, 2)
+    return data.reshape(n, block.row_bytes)
