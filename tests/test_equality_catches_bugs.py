@@ -127,7 +127,7 @@ def _moved(page: KvPage, to: int) -> KvPage:
 
 MUTANTS = {
     "right": lambda pages, other: pages,
-    "another chain's rows": lambda pages, other: [pages[0], _moved(other[1], PAGE), *pages[2:]],
+    "another chain's rows": lambda pages, other: other[: len(pages)],
     "rows of another offset": lambda pages, other: [pages[0], _moved(pages[2], PAGE), *pages[2:]],
 }
 
