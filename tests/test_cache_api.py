@@ -60,7 +60,8 @@ def test_cache_view_and_metrics(url: str) -> None:
         "kvserve_prefix_cache_hit_tokens_total")
     assert metrics.value("kvserve_prefix_cache_held_pages") == view["held_pages"]
     assert metrics.value("kvserve_prefix_cache_held_bytes") == view["held_bytes"]
-    assert metrics.value("kvserve_live_kv_sessions") == 0
+    assert metrics.value("kvserve_live_kv_sessions") == 0  # idle: no stream, page or checkpoint held for a request
+    assert metrics.value("kvserve_prefix_cache_locked_entries") == 0
     assert 0 < metrics.value("kvserve_kv_cache_usage_ratio") <= 1
 
 
@@ -81,5 +82,6 @@ def test_hybrid_model_serves_checkpoints(tiny) -> None:
         metrics = read_metrics(base)
         assert metrics.value("kvserve_prefix_state_hits_total") >= 1
         assert metrics.value("kvserve_prefix_state_bytes") == view["state_bytes"]
+        assert metrics.value("kvserve_prefix_cache_locked_entries") == metrics.value("kvserve_live_kv_sessions") == 0
         openings = sum(c["kind"] == "opening" for c in view["checkpoints"])
         assert metrics.value("kvserve_prefix_state_checkpoints", kind="opening") == openings

@@ -17,6 +17,7 @@ class CacheStats:
     state_evictions: int = 0  # checkpoints evicted
     held_pages: int = 0  # pages the cache keeps
     held_bytes: int = 0  # host memory its pages and states take
+    locked_entries: int = 0  # pages or checkpoints a live session reads: 0 whenever no request is open
     state_bytes: int = 0  # recurrent states kept
     opening_checkpoints: int = 0
     conversation_checkpoints: int = 0

@@ -213,7 +213,11 @@ class PageCache(PrefixCache):
     def stats(self) -> CacheStats:
         return CacheStats(queried_tokens=self._queried_tokens, hit_tokens=self._hit_tokens,
                           evicted_pages=self._evicted_pages, held_pages=self.held_pages,
-                          held_bytes=self.store.bytes_used)
+                          held_bytes=self.store.bytes_used, locked_entries=self._locked())
+
+    def _locked(self) -> int:
+        """Pages a live session reads (a parent locked only by its children is not counted)."""
+        return len({node for nodes in self._locks.values() for node in nodes})
 
     def view(self) -> dict:
         return {"enabled": True, "held_pages": self.held_pages, "held_bytes": self.store.bytes_used,

@@ -186,6 +186,7 @@ class StateCache(PrefixCache):
         return CacheStats(
             queried_tokens=self._queried_tokens, hit_tokens=self._hit_tokens, state_hits=self._restores,
             state_evictions=self._evictions, state_bytes=self.bytes_used, held_bytes=self.bytes_used,
+            locked_entries=self.store.stats().locked_entries,
             opening_checkpoints=openings, conversation_checkpoints=len(self.checkpoints) - openings,
         )
 

@@ -17,7 +17,9 @@ Invariants:
 from __future__ import annotations
 
 import enum
+from dataclasses import replace
 
+from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.kv_pool import PoolExhausted, StreamPool
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.scheduler.request import Choice, Request
@@ -34,6 +36,7 @@ class KvManager:
         self.pool = pool
         self.cache = cache
         self.model = pool.ctx.model
+        self.inplace_queried = 0  # prompt tokens of the sessions placed in place (the cache saw none of them)
 
     # -- admission ------------------------------------------------------------------------------------
 
@@ -67,11 +70,19 @@ class KvManager:
 
     def _place(self, choice: Choice):
         """In the idle stream holding the longest prefix, unless the cache attaches more."""
-        if self.pool.resident_match(choice.tokens) >= self.cache.match_len(choice.tokens):
+        kept = self.pool.resident_match(choice.tokens)
+        if kept and kept >= self.cache.match_len(choice.tokens):
+            self.inplace_queried += len(choice.tokens)
             return self.pool.new_session(choice.tokens)
         session = self.pool.new_session()
         self.cache.attach(session, choice.tokens)
         return session
+
+    def stats(self) -> CacheStats:
+        """The cache's counters, with what streams kept in place counted as hits."""
+        stats = self.cache.stats()
+        return replace(stats, queried_tokens=stats.queried_tokens + self.inplace_queried,
+                       hit_tokens=stats.hit_tokens + self.pool.inplace_tokens)
 
     def plan_checkpoints(self, request: Request) -> None:
         """Keep the request's marks at which a checkpoint of choice 0 is worth a stop of its prefill."""

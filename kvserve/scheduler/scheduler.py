@@ -127,7 +127,7 @@ class Scheduler:
             live_sessions=self.pool.live_sessions,
             inplace_reuses=self.pool.inplace_reuses,
             inplace_tokens=self.pool.inplace_tokens,
-            cache=self.cache.stats(),
+            cache=self.kv.stats(),
             preemptions=self.preemptions,
             live_samplers=live_samplers(),
         )

@@ -53,6 +53,10 @@ class _EngineCollector(Collector):
             "kvserve_prefix_cache_held_bytes", "Host memory the prefix cache's pages and states take", s.cache.held_bytes
         )
         yield GaugeMetricFamily(
+            "kvserve_prefix_cache_locked_entries",
+            "Cached pages or checkpoints a live request reads (0 whenever no request is open)", s.cache.locked_entries,
+        )
+        yield GaugeMetricFamily(
             "kvserve_live_kv_sessions", "KV streams running a sequence (0 whenever no request is open)", s.live_sessions
         )
         yield CounterMetricFamily(
@@ -67,7 +71,7 @@ class _EngineCollector(Collector):
             "kvserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", s.cache.queried_tokens
         )
         yield CounterMetricFamily(
-            "kvserve_prefix_cache_hit_tokens", "Prompt tokens attached from the prefix cache", s.cache.hit_tokens
+            "kvserve_prefix_cache_hit_tokens", "Prompt tokens not evaluated: attached from the cache or kept in place", s.cache.hit_tokens
         )
         yield CounterMetricFamily(
             "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.cache.evicted_pages
