@@ -281,3 +281,37 @@ def test_cold_pages_go_before_hot_ones(tiny) -> None:
     cache.release()
     pool.close()
     model.close()
+
+
+def test_users_arriving_together_compute_their_shared_prefix_once(tiny) -> None:
+    """Four prompts on one system prompt, submitted at once: the first prefills it, the others wait
+    for its donation and attach it (gains from waiting), and all generate what they would alone."""
+    path = tiny("llama")
+    with engine(path, prefix_cache=False) as e:
+        prompts = [_chat(path, f" Question {i}: what is the colour of object number {i}?", e) for i in range(4)]
+        alone = [run(e, [r])[r.id] for r in [greedy(p, max_tokens=6) for p in prompts]]
+    shared = next(i for i, (x, y) in enumerate(zip(prompts[0], prompts[1])) if x != y)
+    with engine(path) as e:
+        requests = [greedy(p, max_tokens=6) for p in prompts]
+        outs = run(e, requests)
+        assert [outs[r.id] for r in requests] == alone
+        assert requests[0].cached_tokens == 0
+        assert all(r.cached_tokens == shared // PAGE * PAGE for r in requests[1:])
+
+
+def test_n_choices_fork_by_copying_the_prompt_stream(tiny) -> None:
+    """`n` > 1: choice 0 prefills the prompt, the others get a copy of its stream; greedy, every
+    choice generates what the prompt alone does."""
+    with engine(tiny("llama")) as e:
+        prompt = _chat(None, " Tell me a story.", e)
+        single = greedy(prompt, max_tokens=8)
+        expected = run(e, [single])[single.id]
+        fanned = greedy(prompt, max_tokens=8, n=3)
+        e.scheduler.submit(fanned)
+        tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        while e.scheduler.has_work():
+            for output in e.scheduler.step():
+                for delta in output.deltas:
+                    tokens[delta.index] += delta.token_ids
+        assert [tokens[i] for i in range(3)] == [expected] * 3
+        assert e.scheduler.snapshot.live_sessions == 0
