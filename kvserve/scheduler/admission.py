@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.detokenizer import Detokenizer
 from kvserve.llama.sampler import Sampler
 from kvserve.scheduler.config import SchedulerConfig
@@ -103,7 +104,7 @@ class Admission:
         for other in self.queues.running:
             first = other.choices[0]
             if first.session is not None and first.session.n_past < len(other.prompt):
-                if self.kv.gains_from_waiting(_common_prefix(request.prompt, other.prompt), cached):
+                if self.kv.gains_from_waiting(common_prefix(request.prompt, other.prompt), cached):
                     return True
         return False
 
@@ -139,11 +140,3 @@ def _open_choices(request: Request) -> int:
     """Choices the request runs (or will run once started): each takes a slot."""
     return sum(c.finish_reason is None for c in request.choices) if request.choices else request.n
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
