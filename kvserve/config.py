@@ -64,7 +64,8 @@ class Settings(BaseSettings):
     )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
     prefix_cache_mb: float = Field(
-        default_budget_mb(), ge=0, description="host memory for cached pages and checkpoints, in MiB (default: a quarter of RAM, at most 8192)"
+        default_budget_mb(), ge=0,
+        description="host memory for cached pages and checkpoints, in MiB (default: a quarter of RAM, at most 8192)",
     )
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")

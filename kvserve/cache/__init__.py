@@ -61,7 +61,8 @@ def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, 
 
 
 __all__ = [
-    "CacheStats", "Chain", "Chat", "Checkpoint", "HostStore", "KvPool", "Mark", "MarkKind", "MarkedTurn", "NoCache", "PageCache",
+    "CacheStats", "Chain", "Chat", "Checkpoint", "HostStore", "KvPool", "Mark", "MarkKind", "MarkedTurn", "NoCache",
+    "PageCache",
     "PoolExhausted", "PrefixCache", "Session", "StateCache", "StreamPool", "add_assistant", "add_user",
     "create_chat_renderer", "create_kv_pool", "create_prefix_cache", "render_turn_marked",
 ]

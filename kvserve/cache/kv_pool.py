@@ -192,13 +192,16 @@ class StreamPool:
         child.tokens = list(parent.tokens)
 
     def end_session(self, session: Session) -> None:
-        """The session ends; its stream keeps its rows until a new session needs the stream."""
+        """The session ends; its stream keeps its rows until a new session needs the stream (or
+        forgets them now, without `reuse`)."""
         stream = self.streams[session.seq]
         if stream.session is not session:
             raise ValueError("not a live session of this pool")
         stream.session = None
         stream.resident = session.tokens
         stream.last_used = tick()
+        if not self.reuse:
+            self._clear(stream)
         if self._on_end is not None:
             self._on_end(session)
 

@@ -192,4 +192,5 @@ class StateCache(PrefixCache):
 
     def view(self) -> dict:
         return {"enabled": True, "held_pages": 0, "state_bytes": self.bytes_used, "held_bytes": self.bytes_used,
-                "state_budget_bytes": self.budget_bytes, "budget_bytes": self.budget_bytes, "checkpoints": [c.snapshot() for c in self.checkpoints]}
+                "state_budget_bytes": self.budget_bytes, "budget_bytes": self.budget_bytes,
+                "checkpoints": [c.snapshot() for c in self.checkpoints]}

@@ -50,7 +50,8 @@ class _EngineCollector(Collector):
         )
         yield GaugeMetricFamily("kvserve_prefix_cache_held_pages", "Pages the prefix cache keeps", s.cache.held_pages)
         yield GaugeMetricFamily(
-            "kvserve_prefix_cache_held_bytes", "Host memory the prefix cache's pages and states take", s.cache.held_bytes
+            "kvserve_prefix_cache_held_bytes", "Host memory the prefix cache's pages and states take",
+            s.cache.held_bytes,
         )
         yield GaugeMetricFamily(
             "kvserve_prefix_cache_locked_entries",
@@ -71,7 +72,8 @@ class _EngineCollector(Collector):
             "kvserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", s.cache.queried_tokens
         )
         yield CounterMetricFamily(
-            "kvserve_prefix_cache_hit_tokens", "Prompt tokens not evaluated: attached from the cache or kept in place", s.cache.hit_tokens
+            "kvserve_prefix_cache_hit_tokens", "Prompt tokens not evaluated: attached from the cache or kept in place",
+            s.cache.hit_tokens,
         )
         yield CounterMetricFamily(
             "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.cache.evicted_pages
@@ -90,7 +92,8 @@ class _EngineCollector(Collector):
             "kvserve_prefix_state_evictions", "Checkpoints evicted to keep the budget", s.cache.state_evictions
         )
         yield CounterMetricFamily(
-            "kvserve_preemptions", "Running requests sent back to the queue because llama.cpp found no KV slot", s.preemptions
+            "kvserve_preemptions", "Running requests sent back to the queue because llama.cpp found no KV slot",
+            s.preemptions,
         )
         yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", t.steps)
         yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", t.step_seconds)
