@@ -1,10 +1,11 @@
-"""python -m bench [compare|sweep|cache-cost|attention|serving|prefix|checkpoints|soak]: each writes
+"""python -m bench [compare|sweep|cache-cost|attention|host-tier|serving|prefix|checkpoints|soak]: each writes
 JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
 kvserve next to llama-server over 1 to 32 users and prompts of 256 to 4,096 tokens; cache-cost
 measures what a prefix cache full of cold pages costs unique traffic; attention times raw
-llama_decode calls in kvserve's unified KV cache against a stream per sequence. The others are the earlier
+llama_decode calls in kvserve's unified KV cache against a stream per sequence; host-tier times copying a
+prefix's KV rows to host memory and back against prefilling it. The others are the earlier
 kvserve-only suites whose numbers docs/benchmarks.md quotes; soak serves thousands of requests and charts
 kvserve's resident memory.
 """
@@ -13,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 
-from bench import attention, cache_cost, checkpoints, compare, prefix, serving, soak, sweep
+from bench import attention, cache_cost, checkpoints, compare, host_tier, prefix, serving, soak, sweep
 
 WORKLOADS = ["shared", "multiturn", "unique", "long"]
 SERVERS = ["kvserve", "llama-server", "llama-cpp-python"]
-SUITES = ["compare", "sweep", "cache-cost", "attention", "serving", "prefix", "checkpoints", "soak"]
+SUITES = ["compare", "sweep", "cache-cost", "attention", "host-tier", "serving", "prefix", "checkpoints", "soak"]
 
 
 def main() -> None:
@@ -35,7 +36,8 @@ def main() -> None:
     elif args.suite == "cache-cost":
         print(cache_cost.main(args.quick))
     else:
-        suites = {"attention": attention, "serving": serving, "prefix": prefix, "checkpoints": checkpoints, "soak": soak}
+        suites = {"attention": attention, "host-tier": host_tier, "serving": serving, "prefix": prefix,
+                  "checkpoints": checkpoints, "soak": soak}
         print(suites[args.suite].main())
 
 

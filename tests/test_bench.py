@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import attention, cache_cost, sweep, workloads
+from bench import attention, cache_cost, host_tier, sweep, workloads
 from bench.client import Result, stream_chat
 from bench.report import markdown, targets
 from bench.servers import Setup, contenders
@@ -245,3 +245,15 @@ def test_attention_times_each_call_in_both_kv_layouts(tiny, tmp_path: Path, monk
     for shapes in seconds.values():
         assert len(shapes) == 4 and all(s > 0 for s in shapes.values())
     assert "| decode step and chunk, two calls |" in (tmp_path / "attention.md").read_text()
+
+
+def test_host_tier_times_donate_and_attach_against_prefill(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"LENGTHS": (64, 96), "PREFILL_CHUNK": 32, "REPEATS": 1}.items():
+        monkeypatch.setattr(host_tier, name, value)
+    host_tier.main(tiny("llama"), threads=1, out=tmp_path)
+    rows = json.loads((tmp_path / "host_tier.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [64, 96]
+    for r in rows:
+        assert all(r[k] > 0 for k in ("prefill_us", "donate_us", "attach_us", "llama_get_us", "llama_set_us"))
+        assert r["row_bytes"] <= r["host_bytes_per_token"] <= 1.1 * r["row_bytes"]
+    assert "| attach / prefill |" in (tmp_path / "host_tier.md").read_text()

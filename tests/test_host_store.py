@@ -7,7 +7,11 @@ import random
 import numpy as np
 import pytest
 
-from kvserve.cache.host_store import LLAMA_SERVER_CACHE_RAM_MB, HostStore, default_budget_mb
+from kvserve.cache.host_store import LLAMA_SERVER_CACHE_RAM_MB, HostStore, default_budget_mb, size_of
+from kvserve.llama.batch import Batch
+from kvserve.llama.context import Context, ContextParams
+from kvserve.llama.model import Model
+from kvserve.llama.seq_state import KvPage, SeqState
 
 
 def test_put_get_and_account_bytes() -> None:
@@ -148,3 +152,49 @@ def test_the_budget_holds_exactly_under_a_flood() -> None:
 
 def test_default_budget_is_llama_servers_or_a_share_of_ram() -> None:
     assert 0 < default_budget_mb() <= LLAMA_SERVER_CACHE_RAM_MB
+
+
+class _Pages:
+    """A chain of pages as one entry (a store of a page tree would key each page by its node)."""
+
+    def __init__(self, pages: list[KvPage]) -> None:
+        self.pages = pages
+        self.nbytes = sum(p.nbytes for p in pages)
+
+
+def _eval(ctx: Context, batch: Batch, seq: int, tokens: list[int], start: int) -> np.ndarray:
+    batch.clear()
+    for i, token in enumerate(tokens):
+        batch.add(token, start + i, seq, i == len(tokens) - 1)
+    ctx.decode(batch)
+    return ctx.logits(batch.n_tokens - 1).copy()
+
+
+def test_pages_and_checkpoints_share_one_budget(tiny) -> None:
+    """A llama page's rows and a Mamba checkpoint are entries of one store; each restores from it."""
+    store: HostStore[object, object] = HostStore(1 << 20)
+    tokens = list(range(200, 240))
+    logits = {}
+    for arch in ("llama", "mamba"):
+        model = Model(tiny(arch))
+        ctx = Context(model, ContextParams(n_ctx=512, n_batch=64, n_seq_max=2, n_threads=1, unified=False))
+        batch = Batch(64)
+        state = SeqState(ctx) if arch == "llama" else None
+        for seq in (0, 1):
+            if seq == 0:
+                _eval(ctx, batch, 0, tokens[:32], 0)
+                key = ("pages", arch) if arch == "llama" else ("checkpoint", arch)
+                value = state.donate(0, 16) if arch == "llama" else ctx.save_state(0)
+                assert store.put(key, value if arch == "mamba" else _Pages(value))
+            else:
+                stored = store.get(key)
+                if arch == "llama":
+                    state.attach(1, stored.pages, 32)
+                else:
+                    ctx.load_state(1, stored)
+            logits[arch, seq] = _eval(ctx, batch, seq, tokens[32:33], 32)
+        batch.close()
+        ctx.close()
+        model.close()
+        np.testing.assert_array_equal(logits[arch, 0], logits[arch, 1])
+    assert store.bytes_used == sum(size_of(store.peek(k)) for k in (("pages", "llama"), ("checkpoint", "mamba")))

@@ -86,7 +86,7 @@ class _Section:
         return 4 + 4 * self.n_stream + len(self.data_head) + _BLOCK_HEAD_BYTES * len(self.blocks) + n_cells * self.width
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KvPage:
     """Rows of positions [start, start + n_rows), all layers: per section, a table whose rows are the
     last `len(table)` of those positions in order (all of them, except sliding-window rows gone)."""
@@ -132,7 +132,8 @@ class _Reader:
 
 
 class SeqState:
-    """Reads, cuts, joins and loads the KV rows of `ctx`'s sequences. One thread, like the context."""
+    """Reads, cuts, joins and loads the KV rows of `ctx`'s sequences: keep one per context (it learns the
+    layout from the first sequence it reads, and joins only pages it cut). One thread, like the context."""
 
     def __init__(self, ctx: Context) -> None:
         if ctx.model.info.carries_state:
@@ -198,7 +199,7 @@ class SeqState:
             self._learn(tuple(sections), header.tobytes(), blob, cells)
         for section, found in zip(sections, cells):  # llama.cpp reads the donor's id and ignores it
             found.table[:, section.meta_bytes - 4 : section.meta_bytes] = 0
-        return self._rows(sections, cells)
+        return self._checked(sections, cells)
 
     def _learn(self, layout: tuple[_Section, ...], header: bytes, blob: np.ndarray, cells: list[_Cells]) -> None:
         """Take `layout` once writing the cells back in their order gives the blob byte for byte."""
@@ -244,7 +245,7 @@ class SeqState:
                 reader.at = start
         raise StateFormatError("unrecognized cell layout")
 
-    def _rows(self, sections: list[_Section], cells: list[_Cells]) -> SeqRows:
+    def _checked(self, sections: list[_Section], cells: list[_Cells]) -> SeqRows:
         """Check what a sequence holds: full layers 0..L-1, sliding-window layers a run ending at L-1."""
         tables, length = [], 0
         for section, found in zip(sections, cells):
@@ -271,9 +272,10 @@ class SeqState:
     def attach(self, seq: int, pages: list[KvPage], n: int) -> None:
         """Load positions [0, n) from `pages` into `seq`, replacing whatever it held."""
         self.ctx.write_seq_state(seq, self.assemble(pages, n))
-        if self.ctx.seq_pos_max(seq) != n - 1:
+        last = self.ctx.seq_pos_max(seq)
+        if last != n - 1:
             self.ctx.seq_rm(seq)
-            raise RuntimeError(f"restored positions end at {self.ctx.seq_pos_max(seq)}, not {n - 1}")
+            raise RuntimeError(f"restored positions end at {last}, not {n - 1}")
 
     def assemble(self, pages: list[KvPage], n: int) -> np.ndarray:
         """The state blob of positions [0, n) of `pages` (consecutive from position 0)."""
@@ -281,7 +283,7 @@ class SeqState:
             raise StateFormatError("no sequence read yet: the layout is unknown")
         found = []
         for s, (first, used) in enumerate(self._spans(pages, n)):
-            parts = [_rows(p, s, first, n) for p in used]
+            parts = [_page_rows(p, s, first, n) for p in used]
             table = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty((0, 0), np.uint8)
             found.append((0, table))
         return self._write(found, self._header)
@@ -424,7 +426,7 @@ def _read_cells(reader: _Reader, n: int, section: _Section, stream: int, first: 
     return _Cells(stream, span, span[0] + skip, table, order[skip:])
 
 
-def _rows(page: KvPage, section: int, first: int, n: int) -> np.ndarray:
+def _page_rows(page: KvPage, section: int, first: int, n: int) -> np.ndarray:
     """The page's rows of positions [first, n) in `section`."""
     present = page.first_present(section)
     return page.tables[section][max(first, present) - present : min(page.end, n) - present]
