@@ -60,6 +60,7 @@ def test_cache_view_and_metrics(url: str) -> None:
         "kvserve_prefix_cache_hit_tokens_total")
     assert metrics.value("kvserve_prefix_cache_held_pages") == view["held_pages"]
     assert metrics.value("kvserve_prefix_cache_held_bytes") == view["held_bytes"]
+    assert metrics.value("kvserve_prefix_cache_inplace_reuse_total") >= 1  # each question continued a stream
     assert metrics.value("kvserve_live_kv_sessions") == 0  # idle: no stream, page or checkpoint held for a request
     assert metrics.value("kvserve_prefix_cache_locked_entries") == 0
     assert 0 < metrics.value("kvserve_kv_cache_usage_ratio") <= 1

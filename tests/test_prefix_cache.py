@@ -315,3 +315,22 @@ def test_n_choices_fork_by_copying_the_prompt_stream(tiny) -> None:
                     tokens[delta.index] += delta.token_ids
         assert [tokens[i] for i in range(3)] == [expected] * 3
         assert e.scheduler.snapshot.live_sessions == 0
+
+
+def test_a_conversations_next_turn_continues_in_its_stream(tiny) -> None:
+    """Turn 2 starts with turn 1's prompt and answer: it is placed in the stream turn 1 left, keeps
+    all it holds (the answer's last token was never evaluated) and generates what it would from
+    scratch. Counted, in the engine's snapshot as in /metrics."""
+    path = tiny("llama")
+    with engine(path) as e:
+        turn1 = greedy(_chat(path, " First question?", e), max_tokens=6)
+        answer = run(e, [turn1])[turn1.id]
+        prompt2 = turn1.prompt + answer + e.model.tokenize(" Second question?", add_special=False)
+        turn2 = greedy(prompt2, max_tokens=6)
+        in_place = run(e, [turn2])[turn2.id]
+        assert turn2.cached_tokens == len(turn1.prompt) + len(answer) - 1
+        assert e.scheduler.snapshot.inplace_reuses == 1
+        assert e.scheduler.snapshot.inplace_tokens == turn2.cached_tokens
+    with engine(path, prefix_cache=False) as e:
+        scratch = greedy(prompt2, max_tokens=6)
+        assert run(e, [scratch])[scratch.id] == in_place
