@@ -50,15 +50,29 @@ class Stream:
 
 
 class KvPool(Protocol):
-    """What a cache and a scheduler ask of the streams of a context."""
+    """What a scheduler (and a cache user by hand) asks of the streams of a context."""
 
     ctx: Context
+    inplace_reuses: int  # sessions placed in a stream that held their prefix
+    inplace_tokens: int  # the tokens those kept
 
     @property
     def n_streams(self) -> int: ...
 
     @property
     def n_ctx_seq(self) -> int: ...
+
+    @property
+    def n_cells(self) -> int: ...
+
+    @property
+    def used_cells(self) -> int: ...
+
+    @property
+    def free_streams(self) -> int: ...
+
+    @property
+    def live_sessions(self) -> int: ...
 
     def resident_match(self, tokens: list[int]) -> int:
         """Leading tokens of `tokens` an idle stream holds and `new_session(tokens)` keeps. Touches nothing."""

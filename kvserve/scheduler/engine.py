@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from kvserve.cache import create_kv_pool
-from kvserve.cache.kv_pool import StreamPool
+from kvserve.cache.kv_pool import KvPool
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.config import Settings
 from kvserve.llama.chat_template import ChatTemplate
@@ -24,7 +24,7 @@ class Engine:
     settings: Settings
     model: Model
     template: ChatTemplate
-    pool: StreamPool
+    pool: KvPool
     cache: PrefixCache
     scheduler: Scheduler
     async_engine: AsyncEngine

@@ -20,7 +20,7 @@ import enum
 from dataclasses import replace
 
 from kvserve.cache.cache_stats import CacheStats
-from kvserve.cache.kv_pool import PoolExhausted, StreamPool
+from kvserve.cache.kv_pool import KvPool, PoolExhausted
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.scheduler.request import Choice, Request
 
@@ -32,7 +32,7 @@ class Room(enum.Enum):
 
 
 class KvManager:
-    def __init__(self, pool: StreamPool, cache: PrefixCache) -> None:
+    def __init__(self, pool: KvPool, cache: PrefixCache) -> None:
         self.pool = pool
         self.cache = cache
         self.model = pool.ctx.model

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvserve.cache.kv_pool import StreamPool
+from kvserve.cache.kv_pool import KvPool
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import DecodeError, NoKvSlot
@@ -47,7 +47,7 @@ class StepTimes:
 
 
 class Scheduler:
-    def __init__(self, pool: StreamPool, cache: PrefixCache, config: SchedulerConfig) -> None:
+    def __init__(self, pool: KvPool, cache: PrefixCache, config: SchedulerConfig) -> None:
         self.pool = pool
         self.cache = cache
         self.config = config
