@@ -123,7 +123,9 @@ class PageCache(PrefixCache):
         return n
 
     def gains_from_waiting(self, shared: int, cached: int) -> bool:
-        return shared >= cached + 2 * self.page_rows  # at least one more whole page to attach
+        """At least one more whole page to attach; never for a sliding-window model, whose pages
+        donated at a prompt's end lack the window before any earlier end."""
+        return not self.rows.n_swa and shared >= cached + 2 * self.page_rows
 
     # -- donation -----------------------------------------------------------------------------------
 
