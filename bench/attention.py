@@ -38,8 +38,8 @@ class Resident:
 
     def __init__(self, model: Model, unified: bool, threads: int) -> None:
         n_seq = SEQUENCES + 1  # the last one takes the prompt chunk
-        self.ctx = Context(model, ContextParams(n_ctx=n_seq * 4096, n_batch=2048, n_seq_max=n_seq,
-                                                n_threads=threads, flash_attn="on", unified=unified))
+        self.ctx = Context(model, ContextParams(n_ctx_seq=4096 * (n_seq if unified else 1), n_batch=2048,
+                                                n_seq_max=n_seq, n_threads=threads, flash_attn="on", unified=unified))
         self.batch = Batch(2048)
         self.model = model
         for seq in range(SEQUENCES):

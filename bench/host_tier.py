@@ -57,8 +57,7 @@ def _prefill(ctx: Context, batch: Batch, tokens: list[int]) -> None:
 
 
 def measure(model: Model, n: int, threads: int) -> dict[str, float]:
-    ctx = Context(model, ContextParams(n_ctx=2 * max(LENGTHS), n_batch=PREFILL_CHUNK, n_seq_max=2, n_threads=threads,
-                                       unified=False))
+    ctx = Context(model, ContextParams(n_ctx_seq=max(LENGTHS), n_batch=PREFILL_CHUNK, n_seq_max=2, n_threads=threads))
     batch = Batch(PREFILL_CHUNK)
     state = SeqState(ctx)
     text = "The harbour master logged every ship, its cargo and its crew. " * (n // 8)

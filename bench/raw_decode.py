@@ -17,7 +17,8 @@ from kvserve.llama.model import Model
 
 
 def measure(model: Model, sequences: int, steps: int, prompt_len: int, threads: int) -> float:
-    ctx = Context(model, ContextParams(n_ctx=8192, n_batch=512, n_seq_max=max(sequences, 1), n_threads=threads))
+    ctx = Context(model, ContextParams(n_ctx_seq=prompt_len + steps, n_batch=512, n_seq_max=max(sequences, 1),
+                                       n_threads=threads))
     batch = Batch(512)
     prompt = model.tokenize("Tell me a long story about a cat and a dog. " * 8, add_special=True)[:prompt_len]
     for seq in range(sequences):

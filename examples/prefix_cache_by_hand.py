@@ -1,8 +1,8 @@
 """Drive kvserve's prefix cache by hand on SmolLM2: the shape of building one's own scheduler.
 
-Stream A prefills a ~60-token system prompt plus its question and donates its pages; the cache says
-how much of stream B it already holds; B attaches those pages (shared KV cells, no copy) and
-prefills only its tail. Then, given a model that carries state (a hybrid such as LFM2), the same
+Stream A prefills a ~60-token system prompt plus its question and donates its pages (its rows,
+copied into host memory); the cache says how much of stream B it already holds; B attaches those
+pages (the rows set into its own KV stream) and prefills only its tail. Then, given a model that carries state (a hybrid such as LFM2), the same
 with a checkpoint at the system opening, restored by a second conversation.
 Run: python examples/prefix_cache_by_hand.py [HYBRID.gguf]
 """
@@ -45,7 +45,7 @@ def greedy_reply(pool, session, logits: np.ndarray, model: Model, n: int = 24) -
 def pages() -> None:
     model = Model(embedded_model_path())
     template = ChatTemplate.from_model(model)
-    pool, cache = create_kv_pool(model, page_rows=16, n_ctx=2048, n_seq_max=16)
+    pool, cache = create_kv_pool(model, page_rows=16, n_ctx_seq=1024, n_streams=2)
 
     prompt_a = chat_tokens(model, template, "Where is Lyon?")
     prompt_b = chat_tokens(model, template, "Where is Kyoto?")
@@ -66,10 +66,10 @@ def pages() -> None:
 
     for entry in cache.view()["chains"]:
         print("chain", entry)
-    print(f"held pages: {cache.stats().held_pages} ({cache.held_cells} KV cells), "
-          f"cells in use: {pool.used_cells} of {pool.n_cells}")
+    print(f"held pages: {cache.stats().held_pages} ({cache.bytes_used} bytes of host memory), "
+          f"KV cells in use: {pool.used_cells} of {pool.n_cells}")
 
-    # Teardown, in order: sessions first (they borrow pages), then the cache, then the pool.
+    # Teardown, in order: sessions first (they lock pages), then the cache, then the pool.
     pool.end_session(a)
     pool.end_session(b)
     cache.release()
@@ -80,8 +80,8 @@ def pages() -> None:
 
 def checkpoints(model_path: Path) -> None:
     model = Model(model_path)
-    pool, cache = create_kv_pool(model, page_rows=16, n_ctx=2048, n_seq_max=8, max_states=4,
-                                 state_budget_bytes=1 << 20)
+    pool, cache = create_kv_pool(model, page_rows=16, n_ctx_seq=1024, n_streams=2, max_states=4,
+                                 budget_bytes=1 << 20)
 
     chat_a = create_chat_renderer(model, SYSTEM)
     add_user(chat_a, "Where is Lyon?")
@@ -92,7 +92,7 @@ def checkpoints(model_path: Path) -> None:
     stop = cache.checkpoint_at(a, turn_a.tokens, 0, turn_a.opening)
     pool.eval(a, turn_a.tokens[:stop])  # a recurrent state cannot be cut back: stop the prefill here
     checkpoint = cache.insert(a, a.tokens, kind=MarkKind.OPENING)
-    print(f"A stopped its prefill at {stop} and saved a {len(checkpoint.blob)}-byte state there")
+    print(f"A stopped its prefill at {stop} and saved a {checkpoint.nbytes}-byte state there")
     pool.eval(a, turn_a.tokens[stop:])
 
     chat_b = create_chat_renderer(model, SYSTEM)

@@ -21,11 +21,20 @@ def embedded_model_path() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
+# llama-server keeps up to this much of prompts' state in host memory by default (--cache-ram).
+LLAMA_SERVER_CACHE_RAM_MB = 8192
+
+
 def _quarter_of_ram_mb() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (4 * 1024 * 1024)
     except (ValueError, OSError):
         return 1024
+
+
+def default_budget_mb() -> int:
+    """A default for `--prefix-cache-mb`: llama-server's 8 GiB, or a quarter of RAM where that is less."""
+    return min(LLAMA_SERVER_CACHE_RAM_MB, _quarter_of_ram_mb())
 
 
 class Settings(BaseSettings):
@@ -41,8 +50,8 @@ class Settings(BaseSettings):
     model_alias: str | None = Field(None, description="model name the API reports (default: the file's stem)")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
-    ctx_size: int = Field(16384, ge=256, description="KV cells shared by all sequences")
-    parallel: int = Field(16, ge=1, le=128, description="sequences decoding at once")
+    ctx_size: int = Field(4096, ge=256, description="context of each request: KV cells of each sequence's stream")
+    parallel: int = Field(8, ge=1, le=128, description="sequences decoding at once, a KV stream each")
     batch_size: int = Field(
         2048, ge=16, description="tokens per engine step (decode tokens + prompt chunks; llama.cpp runs 512 at a time)"
     )
@@ -60,9 +69,9 @@ class Settings(BaseSettings):
         512, ge=16, description="tokens per embedding decode, and the most one /v1/embeddings input may have"
     )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
-    prefix_state_mb: int = Field(_quarter_of_ram_mb(), ge=0, description="byte budget of recurrent checkpoints")
-    prefix_cache_cells: int = Field(
-        4096, ge=0, description="most KV cells the page cache keeps (a quarter for pages not yet reused)"
+    prefix_cache_mb: float = Field(
+        default_budget_mb(), ge=0,
+        description="host memory for cached pages and checkpoints, in MiB (default: a quarter of RAM, at most 8192)",
     )
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ARCHS, engine, run_traced
 from equality import SMOLLM2_TOLERANCE, TINY_TOLERANCE, TOP, assert_like_alone
-from kvserve.llama.context import Context
+from kvserve.llama.context import Context, NoKvSlot
 from kvserve.llama.sampler import SamplingParams, TokenLogprobs
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.scheduler import Scheduler
@@ -44,6 +44,19 @@ def traced(prompt: list[int], max_tokens: int) -> Request:
 
 # prompts of more than one flash-attention tile (64 tokens), that join while others decode
 LONG_PROMPTS = [f"{p} Then the story goes on, and on, and on, for a while. " * 6 for p in PROMPTS]
+
+
+def no_slot_every(e, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on every `n`th llama_decode of the engine finds no KV slot (and changes nothing)."""
+    calls = iter(range(1, 10**9))
+    real_decode = e.pool.ctx.decode
+
+    def decode(batch) -> None:
+        if next(calls) % n == 0:
+            raise NoKvSlot(1)
+        real_decode(batch)
+
+    monkeypatch.setattr(e.pool.ctx, "decode", decode)
 
 
 def alone_and_together(model: Path, max_tokens: int, texts: list[str] = PROMPTS,
@@ -74,8 +87,12 @@ def test_tiny_models_batch_like_alone(tiny, arch: str, flash_attn: str) -> None:
 
 @pytest.mark.parametrize("flash_attn", MODES)
 def test_smollm2_batches_like_alone(smollm2: Path, flash_attn: str) -> None:
+    """Within the tolerance in both modes: llama.cpp cuts a batch over several streams into ubatches
+    of equal tokens per stream, so a prompt batched with others is evaluated in other shapes than
+    alone, and SmolLM2's quantized layers round by shape even under plain attention (first-token
+    logprob 0.04 apart, measured); the tiny models stay bit-stable."""
     alone, together = alone_and_together(smollm2, max_tokens=6, flash_attn=flash_attn)
-    assert_all_like_alone(alone, together, flash_attn, SMOLLM2_TOLERANCE)
+    assert_all_like_alone(alone, together, "on", SMOLLM2_TOLERANCE)
 
 
 @pytest.mark.parametrize("flash_attn", MODES)
@@ -88,10 +105,9 @@ def test_small_token_budget_chunks_prompts_alongside_decodes(tiny, arch: str, fl
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prompts_joining_decodes_in_a_call_of_their_own_like_alone(tiny, arch: str,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """With flash attention a step carries decodes and a long prompt chunk in two llama_decode calls,
-    sampling the first before the second overwrites the logits; a parallel limit of 3 makes long
+def test_prompts_joining_decodes_in_one_call_like_alone(tiny, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step is one llama_decode, decodes and long prompt chunks together: each sequence has its own
+    stream, and llama.cpp splits the batch by stream itself; a parallel limit of 3 makes long
     prompts join while others decode."""
     calls_per_step: list[int] = []
     real_step, real_decode = Scheduler.step, Context.decode
@@ -107,24 +123,26 @@ def test_prompts_joining_decodes_in_a_call_of_their_own_like_alone(tiny, arch: s
     monkeypatch.setattr(Scheduler, "step", counting_step)
     monkeypatch.setattr(Context, "decode", counting_decode)
     alone, together = alone_and_together(tiny(arch), 16, LONG_PROMPTS, parallel=3, flash_attn="on")
-    assert max(calls_per_step) == 2
+    assert max(calls_per_step) == 1
     assert_all_like_alone(alone, together, "on")
 
 
 @pytest.mark.parametrize("flash_attn", MODES)
 @pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "cache"])
-def test_full_kv_cache_preempts_and_resumes_like_alone(tiny, caching: bool, flash_attn: str) -> None:
-    """256 cells cannot hold 8 requests of ~60 tokens each: the newest running ones are sent back
-    to the queue (cache pages go first) and resume where they stopped, with nothing lost."""
-    with engine(tiny("llama"), prefix_cache=caching, ctx_size=256, prefix_cache_cells=64,
-                flash_attn=flash_attn) as e:
+def test_no_kv_slot_preempts_and_resumes_like_alone(tiny, caching: bool, flash_attn: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """When llama.cpp finds no KV slot for a step, the newest running requests are sent back to the
+    queue and resume where they stopped (in place, with the cache on), with nothing lost."""
+    with engine(tiny("llama"), prefix_cache=caching, ctx_size=256, flash_attn=flash_attn) as e:
         prompts = [e.model.tokenize(p, add_special=True)[:40] for p in PROMPTS]
         alone = []
         for prompt in prompts:
             request = traced(prompt, 30)
             alone.append(run_traced(e, [request])[request.id])
+        no_slot_every(e, 7, monkeypatch)
         requests = [traced(p, 30) for p in prompts]
         together = run_traced(e, requests)
         assert e.scheduler.preemptions > 0
+        assert not caching or e.pool.inplace_reuses >= e.scheduler.preemptions  # each resumed in its stream
         assert_all_like_alone(alone, [together[r.id] for r in requests], flash_attn)
         assert e.pool.sessions == []

@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 
 from equality import TINY_TOLERANCE, TOP, assert_like_alone
-from kvserve.cache.kv_pool import KvPool, SeqIds
-from kvserve.cache.page_cache import PageCache
+from kvserve.cache import create_kv_pool
 from kvserve.llama.batch import Batch
-from kvserve.llama.context import Context, ContextParams
 from kvserve.llama.model import Model
+from kvserve.llama.seq_state import KvPage
 from kvserve.llama.sampler import TokenLogprobs, token_logprobs
 from test_batching import MODES, alone_and_together, assert_all_like_alone
 
@@ -117,17 +116,30 @@ def _traced_generate(pool, session, tail: list[int], n: int) -> list[TokenLogpro
     return out
 
 
+def _moved(page: KvPage, to: int) -> KvPage:
+    """The page's rows filed at positions from `to` on (a cell's metadata starts with its i32 position)."""
+    tables = tuple(t.copy() for t in page.tables)
+    for t in tables:
+        positions = t[:, :4].copy().view(np.int32)
+        t[:, :4] = (positions + to - page.start).view(np.uint8)
+    return KvPage(to, page.n_rows, tables)
+
+
+MUTANTS = {
+    "right": lambda pages, other: pages,
+    "another chain's rows": lambda pages, other: other[: len(pages)],
+    "rows of another offset": lambda pages, other: [pages[0], _moved(pages[2], PAGE), *pages[2:]],
+}
+
+
 @pytest.mark.parametrize("flash_attn", MODES)
-@pytest.mark.parametrize("wrong_cells", [False, True], ids=["right-cells", "wrong-cells"])
-def test_attach_equality_fails_on_wrong_cells(tiny, monkeypatch: pytest.MonkeyPatch, flash_attn: str,
-                                              wrong_cells: bool) -> None:
-    """The prefix cache shares the cells of another chain at the same positions: llama.cpp cannot
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_attach_equality_fails_on_misplaced_rows(tiny, monkeypatch: pytest.MonkeyPatch, flash_attn: str,
+                                                 mutant: str) -> None:
+    """The prefix cache restores rows that are not the prompt's at their positions: llama.cpp cannot
     tell (positions continue), so only the comparison with a scratch run can."""
     model = Model(tiny("llama"))
-    ctx = Context(model, ContextParams(n_ctx=1024, n_batch=256, n_seq_max=16, n_threads=2, flash_attn=flash_attn))
-    ids = SeqIds(ctx.n_seq_max)
-    cache = PageCache(ctx, ids, PAGE)
-    pool = KvPool(ctx, ids, cache)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, n_batch=256, flash_attn=flash_attn)
     a, b = (model.tokenize(f"{name} " + "and so the story goes on " * 16, add_special=True)[:65]
             for name in ("Alice", "Bob"))
     for prompt in (a, b):
@@ -135,10 +147,10 @@ def test_attach_equality_fails_on_wrong_cells(tiny, monkeypatch: pytest.MonkeyPa
         pool.eval(session, prompt)
         cache.insert(session, session.tokens)
         pool.end_session(session)
-    holder_a = cache.tree.match(a, len(a))[0].holder.seq  # the sequence id whose cells hold chain A
-    if wrong_cells:
-        real_seq_cp = pool.ctx.seq_cp
-        monkeypatch.setattr(pool.ctx, "seq_cp", lambda src, dst, p0=-1, p1=-1: real_seq_cp(holder_a, dst, p0, p1))
+    pages_of_a = [cache.store.peek(node) for node in cache.tree.match(a, len(a))]
+    real_attach = cache.rows.attach
+    monkeypatch.setattr(cache.rows, "attach",
+                        lambda seq, pages, n: real_attach(seq, MUTANTS[mutant](pages, pages_of_a), n))
     session = pool.new_session()
     assert cache.attach(session, b) == 64
     attached = _traced_generate(pool, session, b[64:], 8)
@@ -151,7 +163,7 @@ def test_attach_equality_fails_on_wrong_cells(tiny, monkeypatch: pytest.MonkeyPa
     pool.close()
     model.close()
     tolerance = None if flash_attn == "off" else TINY_TOLERANCE
-    if wrong_cells:
+    if mutant != "right":
         with pytest.raises(AssertionError):
             assert_like_alone(scratch, attached, tolerance)
     else:

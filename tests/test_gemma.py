@@ -59,7 +59,7 @@ def prompts(gemma_model: Model) -> list[list[int]]:
 def _reference(model: Model, prompt: list[int], cached: int) -> dict[str, float]:
     """The next token's top logprobs from llama.cpp with plain attention, evaluating `prompt[:cached]`
     and then the rest, each in calls of BATCH tokens, as the server does with `cached` tokens attached."""
-    ctx = Context(model, ContextParams(n_ctx=4096, n_batch=BATCH, n_seq_max=1, n_threads=2, flash_attn="off"))
+    ctx = Context(model, ContextParams(n_ctx_seq=4096, n_batch=BATCH, n_seq_max=1, n_threads=2, flash_attn="off"))
     try:
         for start, end in _calls(cached, len(prompt)):
             batch = Batch(end - start)

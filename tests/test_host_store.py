@@ -177,21 +177,21 @@ def test_pages_and_checkpoints_share_one_budget(tiny) -> None:
     logits = {}
     for arch in ("llama", "mamba"):
         model = Model(tiny(arch))
-        ctx = Context(model, ContextParams(n_ctx=512, n_batch=64, n_seq_max=2, n_threads=1, unified=False))
+        ctx = Context(model, ContextParams(n_ctx_seq=256, n_batch=64, n_seq_max=2, n_threads=1))
         batch = Batch(64)
         state = SeqState(ctx) if arch == "llama" else None
         for seq in (0, 1):
             if seq == 0:
                 _eval(ctx, batch, 0, tokens[:32], 0)
                 key = ("pages", arch) if arch == "llama" else ("checkpoint", arch)
-                value = state.donate(0, 16) if arch == "llama" else ctx.save_state(0)
+                value = state.donate(0, 16) if arch == "llama" else ctx.read_seq_state(0)
                 assert store.put(key, value if arch == "mamba" else _Pages(value))
             else:
                 stored = store.get(key)
                 if arch == "llama":
                     state.attach(1, stored.pages, 32)
                 else:
-                    ctx.load_state(1, stored)
+                    ctx.write_seq_state(1, stored)
             logits[arch, seq] = _eval(ctx, batch, seq, tokens[32:33], 32)
         batch.close()
         ctx.close()

@@ -19,6 +19,7 @@ from kvserve.llama.sampler import SamplingParams, live_samplers
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import FinishReason, Request, RequestOutput
 from kvserve.testing import read_metrics
+from test_batching import no_slot_every
 
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 3
 
@@ -136,16 +137,17 @@ def run_expecting_error(e: Engine, request: Request) -> RequestOutput:
     return outputs[-1]
 
 
-def test_preempted_keeps_its_chain_and_frees_it_once(tiny) -> None:
-    """256 cells cannot hold 8 requests of ~70 tokens: preemption sends the newest back to the queue
-    with its sampler (penalty history intact) and every chain is freed once at the end."""
-    with engine(tiny("llama"), ctx_size=256, prefix_cache_cells=64, batch_size=64) as e:
+def test_preempted_keeps_its_chain_and_frees_it_once(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps that find no KV slot send the newest request back to the queue with its sampler (penalty
+    history intact), and every chain is freed once at the end."""
+    with engine(tiny("llama"), ctx_size=256, batch_size=64) as e:
         params = SamplingParams(temperature=0.0, repeat_penalty=1.3, frequency_penalty=0.2)
         base = prompt(e)
         alone = []
         for i in range(8):
             request = Request(id=f"alone{i}", prompt=base[: 30 + i], params=params, max_tokens=30)
             alone.append(run(e, [request])[request.id])
+        no_slot_every(e, 7, monkeypatch)
         requests = [Request(id=f"together{i}", prompt=base[: 30 + i], params=params, max_tokens=30)
                     for i in range(8)]
         together = run(e, requests)
@@ -160,3 +162,4 @@ def test_live_count_reaches_the_metrics(tiny) -> None:
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         metrics = read_metrics(url)
     assert metrics.value("kvserve_live_sampler_chains") == 0
+    assert metrics.value("kvserve_live_kv_sessions") == 0  # every stream given back (its rows kept for reuse)

@@ -1,7 +1,7 @@
 """What a step carries. Stall-free prefill: a long prompt arriving while streams decode is fed in
 chunks of at most `--prefill-chunk` tokens per step, so every running stream gets its next token each
-step; with nothing decoding, a prompt takes the whole token budget. With flash attention, decode
-tokens and a prompt chunk of a tile or more go to separate calls. Counted in tokens per call."""
+step; with nothing decoding, a prompt takes the whole token budget. A step is one call, whatever
+it mixes (each sequence has its own KV stream). Counted in tokens per call."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import pytest
 
 from conftest import engine, greedy
 from kvserve.llama.batch import Batch
-from kvserve.llama.context import FLASH_ATTENTION_TILE_ROWS
-from kvserve.scheduler.batch_plan import Slot, split_into_calls
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request
 
@@ -88,25 +86,6 @@ def decode_then_prompt(e: Engine, prompt_len: int, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("flash_attn", ["on", "off"])
-def test_decodes_and_a_prompt_chunk_go_to_separate_calls_under_flash_attention(
-        tiny, flash_attn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decodes_and_a_prompt_go_in_one_call(tiny, flash_attn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with engine(tiny("llama"), batch_size=512, parallel=8, flash_attn=flash_attn) as e:
-        prompt_len = FLASH_ATTENTION_TILE_ROWS + 36
-        sizes = decode_then_prompt(e, prompt_len, monkeypatch)
-        assert sizes == ([STREAMS, prompt_len] if flash_attn == "on" else [STREAMS + prompt_len])
-
-
-def test_a_step_under_one_tile_stays_one_call(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    with engine(tiny("llama"), batch_size=512, parallel=8, flash_attn="on") as e:
-        prompt_len = FLASH_ATTENTION_TILE_ROWS - STREAMS - 1
-        assert decode_then_prompt(e, prompt_len, monkeypatch) == [STREAMS + prompt_len]
-
-
-def test_decodes_of_a_tile_or_more_go_in_calls_under_it() -> None:
-    """70 decoding sequences in one call would take the kernel's tiled path over every cell of all
-    of them: they go as 63 + 7, then the prompt chunk."""
-    decoding = [Slot(None, None, 1) for _ in range(70)]  # only n_tokens is read
-    chunk = Slot(None, None, 200)
-    calls = split_into_calls(decoding, [chunk], FLASH_ATTENTION_TILE_ROWS)
-    assert [len(c) for c in calls] == [63, 7, 1] and calls[-1] == [chunk]
-    assert split_into_calls(decoding, [chunk], None) == [decoding + [chunk]]  # flash attention off
+        assert decode_then_prompt(e, 100, monkeypatch) == [STREAMS + 100]

@@ -1,7 +1,7 @@
 """The prefix cache by hand (pool, sessions, insert/match_len/attach) and inside the scheduler.
 
 Correctness is equality: greedy output after attaching cached pages equals greedy output computed
-from scratch. Accounting is checked through llama.cpp's own positions, not only our counters.
+from scratch. Accounting is checked through llama.cpp's own positions and the cache's bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import engine, greedy, run
-from kvserve.cache import KvPool, PageCache, create_kv_pool
+from kvserve.cache import KvPool, StreamPool, create_kv_pool
 from kvserve.llama.model import Model
 
 PAGE = 16
@@ -37,14 +37,15 @@ def _from_scratch(pool: KvPool, prompt: list[int], n: int) -> list[int]:
         pool.end_session(session)
 
 
-def _cells_held_by_llama(pool: KvPool, seqs: set[int]) -> int:
-    """Cells the given sequences occupy, from llama.cpp's positions (holders keep contiguous runs)."""
-    ctx = pool.ctx
-    return sum(ctx.seq_pos_max(s) - ctx.seq_pos_min(s) + 1 for s in seqs if ctx.seq_pos_max(s) >= 0)
+def _positions(pool: StreamPool, session) -> tuple[int, int]:
+    return pool.ctx.seq_pos_min(session.seq), pool.ctx.seq_pos_max(session.seq)
 
 
-def _holder_seqs(cache: PageCache) -> set[int]:
-    return {node.holder.seq for node in cache.tree._all_nodes()}
+def _donate(pool: StreamPool, cache, prompt: list[int]) -> None:
+    session = pool.new_session()
+    pool.eval(session, prompt)
+    cache.insert(session, session.tokens)
+    pool.end_session(session)
 
 
 @pytest.fixture(params=["tiny-llama", "smollm2"])
@@ -56,7 +57,7 @@ def model(request, tiny, smollm2) -> Model:
 
 
 def test_attach_then_tail_prefill_equals_scratch(model: Model) -> None:
-    pool, cache = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=16)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=1024, n_streams=4)
     prompt_a = model.tokenize(SYSTEM + "Question: what is the capital of France?", add_special=True)
     prompt_b = model.tokenize(SYSTEM + "Question: name three colours of the rainbow.", add_special=True)
     shared = next(i for i, (x, y) in enumerate(zip(prompt_a, prompt_b)) if x != y)
@@ -70,7 +71,7 @@ def test_attach_then_tail_prefill_equals_scratch(model: Model) -> None:
     assert cache.match_len(prompt_b) == expected > 0
     b = pool.new_session()
     assert cache.attach(b, prompt_b) == expected
-    assert b.n_past == expected and pool.ctx.seq_pos_max(b.seq) == expected - 1
+    assert b.n_past == expected and _positions(pool, b) == (0, expected - 1)
     out_b = _generate(pool, b, prompt_b[b.n_past :], 8)
     pool.end_session(b)
 
@@ -81,7 +82,7 @@ def test_attach_then_tail_prefill_equals_scratch(model: Model) -> None:
 
 
 def test_prompt_equal_to_a_chain_attaches_one_token_short(model: Model) -> None:
-    pool, cache = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=16)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=1024, n_streams=4)
     prompt = model.tokenize(SYSTEM * 3, add_special=True)[: 3 * PAGE]  # exactly three pages
     assert len(prompt) == 3 * PAGE
     a = pool.new_session()
@@ -106,16 +107,16 @@ def test_prompt_equal_to_a_chain_attaches_one_token_short(model: Model) -> None:
 
 def test_match_len_touches_nothing(tiny) -> None:
     model = Model(tiny("llama"))
-    pool, cache = create_kv_pool(model, PAGE, n_ctx=1024, n_seq_max=8)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=2)
     prompt = model.tokenize(SYSTEM + " and more", add_special=True)
     a = pool.new_session()
     pool.eval(a, prompt)
     cache.insert(a, a.tokens, preview="a")
     pool.end_session(a)
-    before = (cache.view()["chains"], [n.last_access for n in cache.tree._all_nodes()])
+    before = (cache.view()["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
     assert cache.match_len(prompt) > 0
     assert cache.match_len(prompt + [5, 6, 7]) > 0
-    after = (cache.view()["chains"], [n.last_access for n in cache.tree._all_nodes()])
+    after = (cache.view()["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
     assert after == before
     b = pool.new_session()
     cache.attach(b, prompt)
@@ -126,40 +127,66 @@ def test_match_len_touches_nothing(tiny) -> None:
     model.close()
 
 
-def test_page_accounting_through_llama_positions(tiny) -> None:
+def test_shared_pages_are_held_once_and_release_frees_every_byte(tiny) -> None:
     model = Model(tiny("llama"))
-    pool, cache = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=32)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=2)
     base = model.tokenize(SYSTEM, add_special=True)
     for i in range(6):  # branches off a shared trunk, some sharing more than others
         tokens = base[: 20 + 9 * i] + model.tokenize(f" branch {i} " * (i + 1), add_special=False)
         s = pool.new_session()
         if cache.match_len(tokens):
             cache.attach(s, tokens)
+            assert _positions(pool, s) == (0, s.n_past - 1)  # exactly the attached rows, nothing after
         pool.eval(s, tokens[s.n_past :])
         cache.insert(s, s.tokens)
         pool.end_session(s)
-        held = cache.held_pages
-        assert _cells_held_by_llama(pool, _holder_seqs(cache)) == held * PAGE
-        assert pool.used_cells == held * PAGE
+        assert 0 < cache.bytes_used == cache.stats().held_bytes <= cache.budget_bytes
     # shared trunk pages are held once: fewer pages than the chains' lengths add up to
     assert cache.held_pages < sum(c["tokens"] for c in cache.view()["chains"]) // PAGE
     cache.release()
+    assert cache.bytes_used == 0 and cache.held_pages == 0 and not cache.chains
+    pool.drop_resident()
     assert all(pool.ctx.seq_pos_max(s) == -1 for s in range(pool.ctx.n_seq_max))
-    assert pool.free_ids == pool.ctx.n_seq_max
     pool.close()
     model.close()
 
 
-def test_closing_a_pool_the_cache_still_borrows_from_is_an_error(tiny) -> None:
+def test_closing_a_pool_with_a_live_session_is_an_error(tiny) -> None:
     model = Model(tiny("llama"))
-    pool, cache = create_kv_pool(model, PAGE, n_ctx=512, n_seq_max=4)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2)
     s = pool.new_session()
     pool.eval(s, list(range(10, 10 + 2 * PAGE + 3)))
-    cache.insert(s, s.tokens)
-    pool.end_session(s)
-    with pytest.raises(RuntimeError, match="release"):
+    with pytest.raises(RuntimeError, match="end them"):
         pool.close()
+    pool.end_session(s)
     cache.release()
+    pool.close()
+    model.close()
+
+
+def test_a_stream_keeps_its_rows_for_the_next_turn(tiny) -> None:
+    """A session that continues what an idle stream holds is placed there and evaluates only its tail;
+    one that shares part of it keeps that part (the rest is cut); equality with scratch both times."""
+    model = Model(tiny("llama"))
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=3)
+    turn1 = model.tokenize(SYSTEM + " First question?", add_special=True)
+    a = pool.new_session(turn1)
+    answer = _generate(pool, a, turn1, 5)
+    pool.end_session(a)
+    turn2 = turn1 + answer + model.tokenize(" Second question?", add_special=False)
+    b = pool.new_session(turn2)
+    assert b.seq == a.seq and b.n_past == len(turn1) + len(answer)  # kept in place: only the new tail to evaluate
+    assert pool.inplace_reuses == 1 and pool.inplace_tokens == b.n_past
+    in_place = _generate(pool, b, turn2[b.n_past :], 6)
+    pool.end_session(b)
+    other = turn1[:30] + [7, 8, 9]
+    c = pool.new_session(other)
+    assert c.n_past == 30 and _positions(pool, c) == (0, 29)  # cut back to what it shares
+    cut = _generate(pool, c, other[30:], 6)
+    pool.end_session(c)
+    assert in_place == _from_scratch(pool, turn2, 6)
+    assert cut == _from_scratch(pool, other, 6)
+    assert pool.resident_match([1, 2, 3]) == 0 and pool.inplace_reuses == 2
     pool.close()
     model.close()
 
@@ -184,73 +211,126 @@ def test_scheduler_attaches_and_matches_scratch(tiny, smollm2, which: str) -> No
     with engine(path) as e:
         first = greedy(prompts[0], max_tokens=6)
         assert run(e, [first])[first.id] == scratch[0]
-        assert first.state.cached_tokens == 0
+        assert first.cached_tokens == 0
         rest = [greedy(p, max_tokens=6) for p in prompts[1:]]
         outs = run(e, rest)
         assert [outs[r.id] for r in rest] == scratch[1:]
         shared = next(i for i, (x, y) in enumerate(zip(prompts[0], prompts[1])) if x != y)
-        assert all(r.state.cached_tokens == shared // PAGE * PAGE for r in rest)
+        # the first takes the stream the first prompt left in place; the others attach its pages
+        assert [r.cached_tokens for r in rest] == [shared] + [shared // PAGE * PAGE] * 2
+        assert e.pool.inplace_reuses == 1
 
 
-def test_flood_of_distinct_prompts_under_small_context_never_fails(tiny) -> None:
-    """With 512 cells, 40 distinct ~90-token prompts fill the cache many times over: it must evict."""
-    with engine(tiny("llama"), ctx_size=512, parallel=4, batch_size=64) as e:
-        requests = [greedy(e.model.tokenize(f"Prompt {i}: " + "words and more words " * 12, add_special=True),
-                           max_tokens=8) for i in range(40)]
-        outs = run(e, requests)
-        assert all(len(outs[r.id]) == 8 for r in requests)
+def test_a_flood_of_conversations_keeps_the_byte_budget_exactly(tiny) -> None:
+    """60 distinct conversations, 8 at a time, donate many times what 0.1 MiB holds: the cache
+    evicts, never holds a byte over its budget at any step, and lets go of every page once released."""
+    with engine(tiny("llama"), ctx_size=512, parallel=8, batch_size=128, prefix_cache_mb=0.1) as e:
         cache = e.cache
-        assert cache.stats().evicted_pages > 0
-        assert e.pool.used_cells == cache.held_pages * PAGE <= e.pool.n_cells
-        assert _cells_held_by_llama(e.pool, _holder_seqs(cache)) == cache.held_pages * PAGE
+        requests = [greedy(e.model.tokenize(f"Conversation {i}: " + "words and more words " * 12, add_special=True),
+                           max_tokens=4) for i in range(60)]
+        for request in requests:
+            e.scheduler.submit(request)
+        while e.scheduler.has_work():
+            e.scheduler.step()
+            assert cache.bytes_used <= cache.budget_bytes == int(0.1 * 2**20)
+        assert all(r.finished for r in requests)
+        assert cache.stats().evicted_pages > 0 and cache.bytes_used > cache.budget_bytes // 2
+        assert e.scheduler.snapshot.live_sessions == 0
+        cache.release()
+        assert cache.bytes_used == 0 and cache.held_pages == 0
 
 
-def test_held_cells_stay_under_the_cap_lru_first(tiny) -> None:
+def test_pages_go_least_recently_used_first(tiny) -> None:
     model = Model(tiny("llama"))
-    pool, cache = create_kv_pool(model, PAGE, n_ctx=1024, n_seq_max=16, max_cells=4 * PAGE)
     prompts = [model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 12, add_special=True)
                for i in range(4)]
-    for prompt in prompts:
-        s = pool.new_session()
-        pool.eval(s, prompt)
-        cache.insert(s, s.tokens)
-        pool.end_session(s)
-        assert cache.held_cells <= 4 * PAGE
-        assert _cells_held_by_llama(pool, _holder_seqs(cache)) == cache.held_cells
-    assert cache.match_len(prompts[-1]) > 0  # the newest donation survives
-    assert cache.match_len(prompts[0]) == 0  # the oldest went first
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, budget_bytes=1 << 30)
+    _donate(pool, cache, prompts[0])
+    one = cache.bytes_used
+    cache.store.budget_bytes = 2 * one  # room for two donations (each as long as the first)
+    for prompt in prompts[1:]:
+        _donate(pool, cache, prompt)
+        assert cache.bytes_used <= cache.budget_bytes
+    assert cache.match_len(prompts[-1]) > 0 and cache.match_len(prompts[-2]) > 0  # the newest survive
+    assert cache.match_len(prompts[0]) == 0 and cache.match_len(prompts[1]) == 0  # the oldest went first
     cache.release()
     pool.close()
     model.close()
 
 
-def test_cold_pages_fill_at_most_their_share_and_go_before_hot_ones(tiny) -> None:
-    """Pages no attach has hit may fill a quarter of the cap; past it, and when cells are needed,
-    they go before pages that were reused, however long ago those were used."""
+def test_cold_pages_go_before_hot_ones(tiny) -> None:
+    """Pages no attach has hit (cold) go before pages that were reused, however long ago those were used."""
     model = Model(tiny("llama"))
-    pool, cache = create_kv_pool(model, PAGE, n_ctx=2048, n_seq_max=16, max_cells=16 * PAGE)
-
-    def donate(prompt: list[int]) -> None:
-        session = pool.new_session()
-        pool.eval(session, prompt)
-        cache.insert(session, session.tokens)
-        pool.end_session(session)
-
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, budget_bytes=1 << 30)
     shared = model.tokenize("A shared system prompt: " + "rules and rules " * 12, add_special=True)
-    donate(shared)
+    _donate(pool, cache, shared)
+    cache.store.budget_bytes = 3 * cache.bytes_used
     reader = pool.new_session()
     hot = cache.attach(reader, shared + [5])
     pool.end_session(reader)
-    assert hot >= 2 * PAGE and cache.max_cold_cells == 4 * PAGE
+    assert hot >= 2 * PAGE
     for i in range(8):
-        donate(model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 8, add_special=True))
-        assert cache.tree.n_cold * PAGE <= cache.max_cold_cells
+        _donate(pool, cache, model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 8, add_special=True))
         assert cache.match_len(shared + [5]) == hot
-        assert _cells_held_by_llama(pool, _holder_seqs(cache)) == cache.held_cells
-    cold = cache.tree.n_cold * PAGE
-    assert cold > 0
-    cache.evict(cold)  # exactly the cold pages' cells: the older hot pages stay
+        assert cache.bytes_used <= cache.budget_bytes
+    assert cache.stats().evicted_pages > 0 and cache.tree.n_cold > 0
+    cold = [node for node in cache.tree.leaves_first() if not node.hits]
+    cache.store.evict(sum(cache.store.peek(node).nbytes for node in cold))  # exactly the cold pages' bytes
+    assert not any(node.alive for node in cold)
     assert cache.tree.n_cold == 0 and cache.match_len(shared + [5]) == hot
     cache.release()
     pool.close()
     model.close()
+
+
+def test_users_arriving_together_compute_their_shared_prefix_once(tiny) -> None:
+    """Four prompts on one system prompt, submitted at once: the first prefills it, the others wait
+    for its donation and attach it (gains from waiting), and all generate what they would alone."""
+    path = tiny("llama")
+    with engine(path, prefix_cache=False) as e:
+        prompts = [_chat(path, f" Question {i}: what is the colour of object number {i}?", e) for i in range(4)]
+        alone = [run(e, [r])[r.id] for r in [greedy(p, max_tokens=6) for p in prompts]]
+    shared = next(i for i, (x, y) in enumerate(zip(prompts[0], prompts[1])) if x != y)
+    with engine(path) as e:
+        requests = [greedy(p, max_tokens=6) for p in prompts]
+        outs = run(e, requests)
+        assert [outs[r.id] for r in requests] == alone
+        assert requests[0].cached_tokens == 0
+        assert all(r.cached_tokens == shared // PAGE * PAGE for r in requests[1:])
+
+
+def test_n_choices_fork_by_copying_the_prompt_stream(tiny) -> None:
+    """`n` > 1: choice 0 prefills the prompt, the others get a copy of its stream; greedy, every
+    choice generates what the prompt alone does."""
+    with engine(tiny("llama")) as e:
+        prompt = _chat(None, " Tell me a story.", e)
+        single = greedy(prompt, max_tokens=8)
+        expected = run(e, [single])[single.id]
+        fanned = greedy(prompt, max_tokens=8, n=3)
+        e.scheduler.submit(fanned)
+        tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        while e.scheduler.has_work():
+            for output in e.scheduler.step():
+                for delta in output.deltas:
+                    tokens[delta.index] += delta.token_ids
+        assert [tokens[i] for i in range(3)] == [expected] * 3
+        assert e.scheduler.snapshot.live_sessions == 0
+
+
+def test_a_conversations_next_turn_continues_in_its_stream(tiny) -> None:
+    """Turn 2 starts with turn 1's prompt and answer: it is placed in the stream turn 1 left, keeps
+    all it holds (the answer's last token was never evaluated) and generates what it would from
+    scratch. Counted, in the engine's snapshot as in /metrics."""
+    path = tiny("llama")
+    with engine(path) as e:
+        turn1 = greedy(_chat(path, " First question?", e), max_tokens=6)
+        answer = run(e, [turn1])[turn1.id]
+        prompt2 = turn1.prompt + answer + e.model.tokenize(" Second question?", add_special=False)
+        turn2 = greedy(prompt2, max_tokens=6)
+        in_place = run(e, [turn2])[turn2.id]
+        assert turn2.cached_tokens == len(turn1.prompt) + len(answer) - 1
+        assert e.scheduler.snapshot.inplace_reuses == 1
+        assert e.scheduler.snapshot.inplace_tokens == turn2.cached_tokens
+    with engine(path, prefix_cache=False) as e:
+        scratch = greedy(prompt2, max_tokens=6)
+        assert run(e, [scratch])[scratch.id] == in_place

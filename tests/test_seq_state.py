@@ -25,7 +25,7 @@ PAGE = 16
 
 class Runner:
     def __init__(self, model: Model, flash_attn: str, n_ctx: int = 4096) -> None:
-        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_seq_max=4, n_threads=2,
+        self.ctx = Context(model, ContextParams(n_ctx_seq=n_ctx // 4, n_batch=512, n_seq_max=4, n_threads=2,
                                                 flash_attn=flash_attn, unified=False))
         self.batch = Batch(512)
         self.state = SeqState(self.ctx)
@@ -189,7 +189,7 @@ def test_refuses_what_is_not_a_prefix_from_zero(runner: Runner) -> None:
 @pytest.mark.parametrize("arch", ["lfm2", "mamba"])
 def test_models_that_carry_state_are_refused(tiny, arch: str) -> None:
     model = Model(tiny(arch))
-    ctx = Context(model, ContextParams(n_ctx=512, n_batch=64, n_seq_max=2, n_threads=2, unified=False))
+    ctx = Context(model, ContextParams(n_ctx_seq=256, n_batch=64, n_seq_max=2, n_threads=2))
     with pytest.raises(StateFormatError, match="checkpoints"):
         SeqState(ctx)
     ctx.close()

@@ -1,10 +1,9 @@
-"""Requests never wait on cells nobody will free, and a stall, if one happens anyway, is reported.
+"""Requests never wait on KV rows nobody will free, and a stall, if one happens anyway, is reported.
 
-The stall seen in a soak at `--ctx-size 2048` with the default `--prefix-cache-cells 4096` is
-reproduced here step by step: two prompts admitted together, the cache holding every other cell.
-Admission counted only the newcomer's prompt against free cells, not what running requests still had
-to prefill, and prefill never asked the cache to evict, so the second prompt sat at zero free cells
-for as long as the cache was full and no other request ran.
+A stall seen in a soak (a prompt admitted into a full shared cache sat at zero free cells) cannot
+happen with a stream per sequence: a request starts only with a stream of its own, and the rows an
+idle stream keeps for a next turn go as soon as a new request needs the stream. Checked here step
+by step, with every stream holding rows.
 """
 
 from __future__ import annotations
@@ -18,26 +17,18 @@ import pytest
 
 from conftest import engine, greedy, run, served
 from kvserve.llama.batch import Batch
-from kvserve.scheduler.admission import Room
+from kvserve.scheduler.kv_manager import Room
 from kvserve.testing import read_metrics
 
 
-def test_two_prompts_admitted_into_a_full_cache_both_finish(tiny) -> None:
-    with engine(tiny("llama"), ctx_size=256, batch_size=256) as e:
-        # as before the clamp and the cold share: the scheduler must not rely on either
-        e.cache.max_cells = e.cache.max_cold_cells = e.pool.n_cells
-        for i in range(6):  # unique histories the cache keeps
-            run(e, [greedy([1] + [(7 * i + j) % 200 + 3 for j in range(40)], max_tokens=2)])
-        assert e.pool.free_cells < 100
+def test_two_prompts_admitted_while_every_stream_keeps_rows_both_finish(tiny) -> None:
+    with engine(tiny("llama"), ctx_size=256, parallel=2, batch_size=256) as e:
+        for i in range(2):  # unique histories the idle streams keep
+            run(e, [greedy([1] + [(7 * i + j) % 200 + 3 for j in range(200)], max_tokens=2)])
+        assert e.pool.used_cells > 400 and e.pool.live_sessions == 0
         a = greedy([1] + [(11 * j) % 200 + 5 for j in range(100)], max_tokens=2)
         b = greedy([1] + [(13 * j) % 200 + 7 for j in range(100)], max_tokens=2)
         run(e, [a, b], max_steps=50)  # raises if they do not finish
-
-
-def test_prefix_cache_cells_past_half_the_context_are_clamped(tiny, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "kvserve.engine"), engine(tiny("llama"), ctx_size=512) as e:
-        assert e.cache.max_cells == 256
-    assert "keeps at most 256" in caplog.text
 
 
 class _Flag(logging.Handler):
@@ -102,7 +93,7 @@ def test_a_scheduler_that_moves_nothing_describes_what_waits(tiny, stall_log: _F
     """Steps keep running but admit nothing: the report says what the waiting request waits for."""
     with served(tiny("llama"), threads=1, stall_seconds=0.5) as (url, app):
         scheduler = app.state.engine.scheduler
-        monkeypatch.setattr(scheduler.admission, "_make_room_for", lambda request, cached: Room.LATER)
+        monkeypatch.setattr(scheduler.kv, "room_for", lambda request, n: Room.LATER)
         with httpx.Client(timeout=60) as client:
             result = []
             thread = threading.Thread(
@@ -112,4 +103,4 @@ def test_a_scheduler_that_moves_nothing_describes_what_waits(tiny, stall_log: _F
             monkeypatch.undo()
             thread.join(60)
     assert result[0].status_code == 200
-    assert "waits" in stall_log.messages[0] and "for KV cells for" in stall_log.messages[0]
+    assert "waits" in stall_log.messages[0] and "for a free KV stream" in stall_log.messages[0]

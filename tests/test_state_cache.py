@@ -31,7 +31,7 @@ def _greedy(pool, session, logits: np.ndarray, n: int) -> list[int]:
 @pytest.mark.parametrize("arch", STATE_ARCHS)
 def test_restored_checkpoint_equals_scratch_by_hand(tiny, arch: str) -> None:
     model = Model(tiny(arch))
-    pool, cache = create_kv_pool(model, 16, n_ctx=2048, n_seq_max=8, max_states=4, state_budget_bytes=1 << 20)
+    pool, cache = create_kv_pool(model, 16, n_ctx_seq=512, n_streams=3, max_states=4, budget_bytes=1 << 20)
     assert isinstance(cache, StateCache)
     chat_a = create_chat_renderer(model, SYSTEM)
     add_user(chat_a, "Where is parcel 17?")
@@ -65,53 +65,13 @@ def test_restored_checkpoint_equals_scratch_by_hand(tiny, arch: str) -> None:
 
 def test_attention_models_take_no_checkpoints(tiny) -> None:
     model = Model(tiny("llama"))
-    pool, cache = create_kv_pool(model, 16, n_ctx=1024, n_seq_max=4)
+    pool, cache = create_kv_pool(model, 16, n_ctx_seq=256, n_streams=2)
     chat = create_chat_renderer(model, SYSTEM)
     add_user(chat, "hello")
     turn = render_turn_marked(model, chat)
     session = pool.new_session()
     assert all(cache.checkpoint_at(session, turn.tokens, 0, mark.position) == 0 for mark in turn.checkpoint_marks())
     pool.end_session(session)
-    cache.release()
-    pool.close()
-    model.close()
-
-
-def _evaluated(pool, cache, tokens: list[int]):
-    """A session that evaluated `tokens` after restoring what the cache holds of them."""
-    session = pool.new_session()
-    cache.attach(session, tokens)
-    pool.eval(session, tokens[session.n_past :])
-    return session
-
-
-def test_hybrid_holders_keep_exactly_the_cells_counted(tiny) -> None:
-    """Two conversations restored from one checkpoint V take their own checkpoints; V is evicted first.
-    Its cells stay, under the two later holders, and are counted once; every eviction counts the
-    cells llama.cpp really gave back."""
-    model = Model(tiny("lfm2"))
-    pool, cache = create_kv_pool(model, 16, n_ctx=1024, n_seq_max=8, max_states=4, state_budget_bytes=1 << 20)
-    tokens = model.tokenize(SYSTEM * 5, add_special=True)
-    a = _evaluated(pool, cache, tokens[:40])
-    base = cache.insert(a, a.tokens)
-    pool.end_session(a)
-    b = _evaluated(pool, cache, tokens[:41])
-    c = _evaluated(pool, cache, tokens[:42])  # restored last: V is now older than anything b or c saves
-    pool.eval(b, tokens[41:70])
-    pool.eval(c, tokens[42:90])
-    first, second = cache.insert(b, b.tokens), cache.insert(c, c.tokens)
-    pool.end_session(b)
-    pool.end_session(c)
-    assert [pool.ctx.seq_pos_max(c.holder) for c in (base, first, second)] == [39, 69, 89]
-    assert cache.held_cells == pool.used_cells == 90 + 70 - 40  # the 40 shared cells once
-
-    holder = base.holder
-    cache.free_a_seq_id()  # takes the least recently used: V
-    assert pool.ctx.seq_pos_max(holder) == -1 and base not in cache.checkpoints
-    assert cache.held_cells == 90 + 70 - 40 and cache.stats().evicted_pages == 0  # nothing was freed
-    assert pool.make_room(pool.n_cells)  # every cell: the rest must go
-    assert all(pool.ctx.seq_pos_max(s) == -1 for s in range(pool.ctx.n_seq_max))
-    assert cache.held_cells == 0 and cache.stats().evicted_pages == -(-(90 + 70 - 40) // 16)
     cache.release()
     pool.close()
     model.close()
@@ -161,14 +121,16 @@ def test_flood_keeps_the_budget_and_evicts_conversations_first(tiny, arch: str) 
     path = tiny(arch)
     with engine(path, prefix_states=16) as e:
         cache = e.cache
+        systems = [SYSTEM, "You are a poet who answers in rhymes about the sea, the wind and ships."]
+        longest, _ = _chat_request(e, [{"role": "system", "content": systems[1]},
+                                       {"role": "user", "content": "Question number 11: what happened on day 77?"}])
         probe = e.pool.new_session()
-        e.pool.eval(probe, e.model.tokenize("a state to measure", add_special=True))
-        state_size = e.pool.ctx.state_size(probe.seq)
+        e.pool.eval(probe, longest.prompt + [5, 5])
+        state_size = e.pool.ctx.state_size(probe.seq)  # a hybrid's state holds its attention rows: the largest
         e.pool.end_session(probe)
         # Room for four states: two openings, the running turn's locked close, and its end-of-turn,
         # so every older conversation checkpoint must go before an opening does.
-        cache.budget_bytes = 4 * state_size
-        systems = [SYSTEM, "You are a poet who answers in rhymes about the sea, the wind and ships."]
+        cache.store.budget_bytes = 4 * state_size
         peak = 0
         for i in range(12):
             messages = [{"role": "system", "content": systems[i % 2]},
@@ -181,6 +143,4 @@ def test_flood_keeps_the_budget_and_evicts_conversations_first(tiny, arch: str) 
                 assert cache.bytes_used <= cache.budget_bytes
         kinds = [c["kind"] for c in cache.view()["checkpoints"]]
         assert kinds.count("opening") == 2, kinds  # both system openings kept
-        assert cache.stats().state_evictions > 0 and peak == 4 * state_size
-        if arch == "lfm2":  # a hybrid's conversation checkpoints keep attention cells: evicting them frees some
-            assert e.scheduler.snapshot.cache.evicted_pages > 0
+        assert cache.stats().state_evictions > 0 and peak > 2 * state_size

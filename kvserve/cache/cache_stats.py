@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Counters since the cache was made, and what it holds now. A page is `page_rows` cells: a cache
-    whose cells are not paged (checkpoints' attention cells) counts them in pages rounded up. A field
+    """Counters since the cache was made, and what it holds now. A field
     a cache has no use for stays 0 (a page cache keeps no states)."""
 
     queried_tokens: int = 0  # prompt tokens looked up by `attach`
@@ -16,7 +15,9 @@ class CacheStats:
     evicted_pages: int = 0  # cells given back, in pages
     state_hits: int = 0  # prompts restored from a checkpoint
     state_evictions: int = 0  # checkpoints evicted
-    held_pages: int = 0  # cells only the cache keeps, in pages
+    held_pages: int = 0  # pages the cache keeps
+    held_bytes: int = 0  # host memory its pages and states take
+    locked_entries: int = 0  # pages or checkpoints a live session reads: 0 whenever no request is open
     state_bytes: int = 0  # recurrent states kept
     opening_checkpoints: int = 0
     conversation_checkpoints: int = 0

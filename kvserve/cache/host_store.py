@@ -22,15 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, Protocol, TypeVar, runtime_checkable
 
 from kvserve.cache.page_tree import tick
-from kvserve.config import _quarter_of_ram_mb
-
-# llama-server keeps up to this much of prompts' state in host memory by default (--cache-ram).
-LLAMA_SERVER_CACHE_RAM_MB = 8192
-
-
-def default_budget_mb() -> int:
-    """A default for `--prefix-cache-mb`: llama-server's 8 GiB, or a quarter of RAM where that is less."""
-    return min(LLAMA_SERVER_CACHE_RAM_MB, _quarter_of_ram_mb())
+from kvserve.config import LLAMA_SERVER_CACHE_RAM_MB, default_budget_mb  # noqa: F401  (the store's default)
 
 
 @runtime_checkable
@@ -157,6 +149,13 @@ class HostStore(Generic[K, V]):
 
     def locks(self, key: K) -> int:
         return self._entries[key].locks
+
+    def rerank(self, key: K, rank: int) -> None:
+        """Give `key` another eviction rank (a checkpoint that turns out to be an opening)."""
+        entry = self._entries[key]
+        entry.rank = rank
+        if not entry.locks:
+            self._push(key, entry)
 
     # -- removal --------------------------------------------------------------------------------------
 

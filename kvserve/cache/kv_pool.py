@@ -1,12 +1,16 @@
-"""The KV pool: one context's cells and sequence ids, handed out as sessions.
+"""The KV pool: one context's streams (a stream per sequence), handed out as sessions.
 
-The pool is a leaf: whoever else keeps cells and sequence ids of its context (the prefix cache)
-is a `Lender` it was given at construction, which it asks for room and tells when a session ends.
+A session is one stream: sequence id `seq` lives in stream `seq`, `n_ctx_seq` cells long. When a
+session ends its stream keeps its rows (it is *resident*) until a new session needs the stream; a
+new session whose tokens continue what a resident stream holds is placed there and keeps those
+rows (in-place reuse: nothing copied, nothing recomputed).
 
-Invariant (checked by tests through llama.cpp's own positions): the cells in use equal the
-lender's `held_cells` plus the `private_cells` of every live session. A session's first `shared`
-tokens sit on cells somebody else accounts for (cache pages it attached, or the prompt of the
-sibling it was forked from); the rest are its own.
+Invariants (checked by tests through llama.cpp's own positions):
+- a stream holds exactly its live session's `tokens`, or, idle, its `resident` tokens: positions
+  `0 .. len-1`, nothing else;
+- a stream is either live (one session) or idle; sessions never exceed the streams;
+- rows are cut back only where the model allows it (`cuttable`): never for a recurrent state or a
+  sliding window, whose earlier rows the stream no longer has.
 """
 
 from __future__ import annotations
@@ -16,139 +20,221 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from kvserve.cache.page_tree import tick
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context
 
 
 class PoolExhausted(RuntimeError):
-    """No sequence id or no KV cell is left, even after the cache gave back what it could."""
+    """No stream is free, or a sequence would outgrow its stream."""
 
 
 @dataclass(eq=False)
 class Session:
-    """One sequence in the KV cache and the tokens it holds, in order."""
+    """One sequence: its stream's id and the tokens the stream holds, in order."""
 
     seq: int
     tokens: list[int] = field(default_factory=list)
-    shared: int = 0
 
     @property
     def n_past(self) -> int:
         return len(self.tokens)
 
-    @property
-    def private_cells(self) -> int:
-        return len(self.tokens) - self.shared
+
+@dataclass(eq=False)
+class Stream:
+    seq: int
+    resident: list[int] = field(default_factory=list)  # what an idle stream still holds
+    session: Session | None = None
+    last_used: int = 0
 
 
-class SeqIds:
-    """The context's sequence ids, drawn by the pool for sessions and by the cache for its holders."""
+class KvPool(Protocol):
+    """What a scheduler (and a cache user by hand) asks of the streams of a context."""
 
-    def __init__(self, n_seq_max: int) -> None:
-        self.n_seq_max = n_seq_max
-        self._free = list(range(n_seq_max - 1, -1, -1))  # pop() hands out 0 first
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def take(self, free_one: Callable[[], None]) -> int:
-        """A free id; when none is left, `free_one` is asked to give one back first."""
-        if not self._free:
-            free_one()
-        if not self._free:
-            raise PoolExhausted("no free sequence id")
-        return self._free.pop()
-
-    def give_back(self, seq: int) -> None:
-        self._free.append(seq)
-
-
-class Lender(Protocol):
-    """What the pool asks of whoever else keeps cells and sequence ids of its context."""
+    ctx: Context
+    inplace_reuses: int  # sessions placed in a stream that held their prefix
+    inplace_tokens: int  # the tokens those kept
 
     @property
-    def held_cells(self) -> int:
-        """Cells only the lender keeps (a session that shares them does not count them)."""
+    def n_streams(self) -> int: ...
+
+    @property
+    def n_ctx_seq(self) -> int: ...
+
+    @property
+    def n_cells(self) -> int: ...
+
+    @property
+    def used_cells(self) -> int: ...
+
+    @property
+    def free_streams(self) -> int: ...
+
+    @property
+    def live_sessions(self) -> int: ...
+
+    def resident_match(self, tokens: list[int]) -> int:
+        """Leading tokens of `tokens` an idle stream holds and `new_session(tokens)` keeps. Touches nothing."""
         ...
 
-    def evict(self, cells: int) -> int:
-        """Give back at least `cells` cells if it can; returns the cells it gave back."""
-        ...
+    def new_session(self, tokens: list[int] | None = None) -> Session: ...
 
-    def free_a_seq_id(self) -> None:
-        """Give back one sequence id, if it keeps one it may let go."""
-        ...
+    def fork(self, parent: Session, child: Session) -> None: ...
 
-    def unlock(self, session: Session) -> None:
-        """The session ends: what it borrowed may be evicted again."""
-        ...
+    def end_session(self, session: Session) -> None: ...
+
+    def eval(self, session: Session, tokens: list[int]) -> np.ndarray: ...
+
+    def close(self) -> None: ...
 
 
-class KvPool:
-    """Hands out sessions (a sequence id each) and accounts for cells."""
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share (compared 64 at a time, in C, while they agree)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
-    def __init__(self, ctx: Context, ids: SeqIds, lender: Lender) -> None:
+
+# Fewer leading tokens than this are not worth an idle stream's rows: a new session takes an empty
+# stream (or the least recently used one) instead of cutting a stream that holds a whole history.
+MIN_REUSE = 16
+
+
+class StreamPool:
+    """Hands out a stream per session and keeps what an ended session's stream holds for reuse."""
+
+    def __init__(self, ctx: Context, on_end: Callable[[Session], None] | None = None, reuse: bool = True) -> None:
+        """`on_end` is told of every session that ends (the prefix cache unlocks what it lent it);
+        without `reuse`, every session starts from an empty stream (no prefix caching at all)."""
+        if ctx.unified:
+            raise ValueError("the pool needs a stream per sequence")
         self.ctx = ctx
-        self.ids = ids
-        self.lender = lender
-        self._sessions: dict[int, Session] = {}
+        self.streams = [Stream(seq) for seq in range(ctx.n_seq_max)]
+        # whole-sequence cuts are safe only where every row of the sequence stays in its stream
+        self.cuttable = not ctx.model.info.carries_state and ctx.n_swa == 0
+        self.reuse = reuse
+        self.inplace_reuses = 0  # sessions placed in a stream that held their prefix
+        self.inplace_tokens = 0  # the tokens those reuses did not recompute
+        self._on_end = on_end
 
     @property
-    def free_ids(self) -> int:
-        return self.ids.free
+    def n_streams(self) -> int:
+        return len(self.streams)
 
-    # -- cells ------------------------------------------------------------------------------------
+    @property
+    def n_ctx_seq(self) -> int:
+        return self.ctx.n_ctx_seq
 
     @property
     def n_cells(self) -> int:
-        return self.ctx.n_ctx
+        return self.n_streams * self.n_ctx_seq
 
     @property
     def used_cells(self) -> int:
-        return self.lender.held_cells + sum(s.private_cells for s in self._sessions.values())
+        return sum(len(s.session.tokens if s.session else s.resident) for s in self.streams)
 
     @property
-    def free_cells(self) -> int:
-        return self.n_cells - self.used_cells
+    def live_sessions(self) -> int:
+        return sum(s.session is not None for s in self.streams)
 
-    def make_room(self, cells: int) -> bool:
-        """Have at least `cells` free, asking the lender to evict if needed."""
-        short = cells - self.free_cells
-        if short > 0:
-            self.lender.evict(short)
-        return self.free_cells >= cells
-
-    # -- sessions ---------------------------------------------------------------------------------
-
-    def new_session(self) -> Session:
-        session = Session(seq=self.ids.take(self.lender.free_a_seq_id))
-        self._sessions[session.seq] = session
-        return session
+    @property
+    def free_streams(self) -> int:
+        return self.n_streams - self.live_sessions
 
     @property
     def sessions(self) -> list[Session]:
-        return list(self._sessions.values())
+        return [s.session for s in self.streams if s.session is not None]
+
+    # -- placement ----------------------------------------------------------------------------------
+
+    def _reusable(self, stream: Stream, tokens: list[int]) -> int:
+        """What of `stream`'s resident rows a session for `tokens` keeps, one token short of them."""
+        n = min(common_prefix(stream.resident, tokens), len(tokens) - 1)
+        if n < MIN_REUSE or (n < len(stream.resident) and not self.cuttable):
+            return 0
+        return n
+
+    def _best(self, tokens: list[int]) -> tuple[Stream | None, int]:
+        best, best_n = None, 0
+        for stream in self.streams:
+            if stream.session is None and stream.resident:
+                n = self._reusable(stream, tokens)
+                if n > best_n:
+                    best, best_n = stream, n
+        return best, best_n
+
+    def resident_match(self, tokens: list[int]) -> int:
+        return self._best(tokens)[1] if self.reuse else 0
+
+    def new_session(self, tokens: list[int] | None = None) -> Session:
+        """A session in the idle stream that holds the longest prefix of `tokens` (kept in place),
+        else in an empty stream, else in the least recently used idle one (whose rows go)."""
+        stream, n = self._best(tokens) if tokens and self.reuse else (None, 0)
+        if stream is None:
+            idle = [s for s in self.streams if s.session is None]
+            if not idle:
+                raise PoolExhausted("every stream runs a sequence")
+            stream = min(idle, key=lambda s: (bool(s.resident), s.last_used))
+        session = Session(seq=stream.seq)
+        if n:
+            self.ctx.seq_rm(stream.seq, n, -1)
+            session.tokens = stream.resident[:n]
+            self.inplace_reuses += 1
+            self.inplace_tokens += n
+        else:
+            self._clear(stream)
+        stream.resident = []
+        stream.session = session
+        stream.last_used = tick()
+        return session
+
+    def _clear(self, stream: Stream) -> None:
+        if stream.resident:
+            self.ctx.seq_rm(stream.seq)
+            stream.resident = []
+
+    # -- sessions -----------------------------------------------------------------------------------
 
     def fork(self, parent: Session, child: Session) -> None:
-        """Let `child` (empty) share all of `parent`'s cells; they are accounted to the parent."""
+        """Make `child` a copy of `parent`: the whole stream is copied (at the next decode)."""
         self.ctx.seq_cp(parent.seq, child.seq)
         child.tokens = list(parent.tokens)
-        child.shared = len(parent.tokens)
 
     def end_session(self, session: Session) -> None:
-        """Forget the session: its own cells are freed, what it borrowed unlocked, its id returned."""
-        self.ctx.seq_rm(session.seq)
-        self.lender.unlock(session)
-        del self._sessions[session.seq]
-        self.ids.give_back(session.seq)
+        """The session ends; its stream keeps its rows until a new session needs the stream (or
+        forgets them now, without `reuse`)."""
+        stream = self.streams[session.seq]
+        if stream.session is not session:
+            raise ValueError("not a live session of this pool")
+        stream.session = None
+        stream.resident = session.tokens
+        stream.last_used = tick()
+        if not self.reuse:
+            self._clear(stream)
+        if self._on_end is not None:
+            self._on_end(session)
+
+    def drop_resident(self) -> None:
+        """Clear every idle stream (shutdown, tests)."""
+        for stream in self.streams:
+            if stream.session is None:
+                self._clear(stream)
+
+    def room(self, session: Session) -> int:
+        """Cells left in the session's stream."""
+        return self.n_ctx_seq - session.n_past
 
     def eval(self, session: Session, tokens: list[int]) -> np.ndarray:
         """Decode `tokens` after the session's history, alone; returns a copy of the last logits."""
         if not tokens:
             raise ValueError("eval needs at least one token")
-        if not self.make_room(len(tokens)):
-            raise PoolExhausted(f"no room for {len(tokens)} tokens")
+        if len(tokens) > self.room(session):
+            raise PoolExhausted(f"no room for {len(tokens)} tokens in a {self.n_ctx_seq}-cell stream")
         batch = Batch(self.ctx.n_batch)
         try:
             for start in range(0, len(tokens), self.ctx.n_batch):
@@ -163,7 +249,7 @@ class KvPool:
             batch.close()
 
     def close(self) -> None:
-        """Free the context. A lender that still keeps cells in it must be released first."""
-        if self.lender.held_cells:
-            raise RuntimeError("the prefix cache still holds cells of this pool: release the cache first")
+        """Free the context. Every session must have ended."""
+        if self.live_sessions:
+            raise RuntimeError("sessions still run in this pool: end them first")
         self.ctx.close()

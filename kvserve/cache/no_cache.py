@@ -12,10 +12,6 @@ class NoCache(PrefixCache):
     keeps = "none"
     donates_prompt = False
 
-    @property
-    def held_cells(self) -> int:
-        return 0
-
     def match_len(self, tokens: list[int]) -> int:
         return 0
 
@@ -28,12 +24,6 @@ class NoCache(PrefixCache):
     def insert(self, session: Session, tokens: list[int], preview: str = "",
                kind: MarkKind = MarkKind.CONVERSATION) -> None:
         return None
-
-    def evict(self, cells: int) -> int:
-        return 0
-
-    def free_a_seq_id(self) -> None:
-        pass
 
     def unlock(self, session: Session) -> None:
         pass

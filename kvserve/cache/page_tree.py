@@ -2,18 +2,13 @@
 
 Invariants:
 - a node's page covers positions [depth*page_rows, (depth+1)*page_rows) of every prompt that reaches it;
-- a node's cells carry exactly one cache-owned sequence id, its holder's; a page shared by many
-  donations is one node, held once;
-- `lock_ref` counts live sessions reading the page; a locked node and its ancestors are never evicted;
-- eviction takes unlocked leaves, never-attached (cold) before attached (hot), least recently used
-  first within each, so chains shrink from the tail;
-- a hot node's ancestors are hot (they were attached with it), so cold nodes hang below hot ones
-  and every cold node can go without touching a hot one.
+- a page shared by many donations is one node, whose rows are stored once (the host store keys
+  them by node);
+- a hot node's ancestors are hot (they were attached with it).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -27,39 +22,18 @@ def tick() -> int:
 
 
 @dataclass(eq=False)
-class Holder:
-    """A sequence id the cache owns; it lives while any node still keeps cells under it."""
-
-    seq: int
-    n_nodes: int = 0
-
-
-@dataclass(eq=False)
 class PageNode:
     key: tuple[int, ...]
     parent: "PageNode | None"
     depth: int
-    holder: Holder | None = None
     chain_id: int = 0  # the donation that created this page
     children: dict[tuple[int, ...], "PageNode"] = field(default_factory=dict)
-    lock_ref: int = 0
-    last_access: int = 0
     hits: int = 0  # attaches that reused this page
     alive: bool = True
 
     @property
     def is_leaf(self) -> bool:
         return not self.children
-
-
-def evictable(node: PageNode, cold_only: bool = False) -> bool:
-    """An unlocked leaf (a cold one, if `cold_only`)."""
-    return node.is_leaf and node.lock_ref == 0 and not (cold_only and node.hits)
-
-
-def eviction_key(node: PageNode) -> tuple[bool, int, int, PageNode]:
-    """Cold before hot, then least recently used first."""
-    return node.hits > 0, node.last_access, id(node), node
 
 
 class PageTree:
@@ -88,11 +62,9 @@ class PageTree:
             path.append(node)
         return path
 
-    def add_child(self, parent: PageNode, key: tuple[int, ...], holder: Holder, chain_id: int) -> PageNode:
-        node = PageNode(key=key, parent=parent, depth=parent.depth + 1, holder=holder, chain_id=chain_id)
-        node.last_access = tick()
+    def add_child(self, parent: PageNode, key: tuple[int, ...], chain_id: int) -> PageNode:
+        node = PageNode(key=key, parent=parent, depth=parent.depth + 1, chain_id=chain_id)
         parent.children[key] = node
-        holder.n_nodes += 1
         self.n_nodes += 1
         self.n_cold += 1
         return node
@@ -103,22 +75,18 @@ class PageTree:
             node.hits += 1
 
     def remove_leaf(self, node: PageNode) -> None:
-        assert node.is_leaf and node.lock_ref == 0 and node.parent is not None
+        assert node.is_leaf and node.parent is not None
         del node.parent.children[node.key]
         node.alive = False
-        node.holder.n_nodes -= 1
         self.n_nodes -= 1
         self.n_cold -= node.hits == 0
 
-    def evictable_leaves(self, cold_only: bool = False) -> list[tuple[bool, int, int, PageNode]]:
-        """A heap of the unlocked leaves (only the cold ones, if asked) in `eviction_key` order."""
-        heap = [eviction_key(n) for n in self._all_nodes() if evictable(n, cold_only)]
-        heapq.heapify(heap)
-        return heap
-
-    def _all_nodes(self) -> Iterator[PageNode]:
+    def leaves_first(self) -> list[PageNode]:
+        """Every node, each after all of its descendants."""
+        order: list[PageNode] = []
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            yield node
+            order.append(node)
             stack.extend(node.children.values())
+        return order[::-1]

@@ -1,13 +1,12 @@
-"""The one interface the pool, the scheduler and the routes use for a prefix cache, whatever it
-keeps: whole KV pages (`PageCache`), checkpoints of a recurrent state (`StateCache`) or nothing
-(`NoCache`).
+"""The one interface the scheduler and the routes use for a prefix cache, whatever it keeps: whole
+KV pages (`PageCache`), checkpoints of a recurrent state (`StateCache`) or nothing (`NoCache`).
 
 Invariants every cache keeps:
+- what it keeps lives in host memory, never in a stream: attach copies it into the session's;
 - `match_len` touches nothing (no hit count, no recency): it is what `attach` would attach now;
-- what `attach` and `insert` share with a session stays locked (never evicted) until
+- what `attach` and `insert` used for a session stays locked (never evicted) until
   `unlock(session)`; the locks are the cache's own, keyed by session;
-- `held_cells` are the cells only the cache keeps, under sequence ids it drew for its holders;
-  `release` gives back every one of them, cells and ids.
+- `release` gives back everything it keeps.
 """
 
 from __future__ import annotations
@@ -25,10 +24,9 @@ class PrefixCache(ABC):
     # Insert a prompt as soon as it is evaluated, so requests waiting on the same prefix attach it.
     donates_prompt: ClassVar[bool]
 
-    @property
-    @abstractmethod
-    def held_cells(self) -> int:
-        """Cells only the cache keeps (a session that attached them does not count them)."""
+    def caps(self) -> dict:
+        """The limits it keeps to, as /server_info reports them."""
+        return {}
 
     @abstractmethod
     def match_len(self, tokens: list[int]) -> int:
@@ -57,21 +55,12 @@ class PrefixCache(ABC):
         or None when nothing new was."""
 
     @abstractmethod
-    def evict(self, cells: int) -> int:
-        """Give back at least `cells` cells from unlocked entries, least valuable first, if there are
-        enough; returns the cells given back."""
-
-    @abstractmethod
-    def free_a_seq_id(self) -> None:
-        """Give back one holder's sequence id, if an unlocked one exists."""
-
-    @abstractmethod
     def unlock(self, session: Session) -> None:
         """The session ends: what it attached or inserted may be evicted again."""
 
     @abstractmethod
     def release(self) -> None:
-        """Give back every cell and sequence id the cache keeps; no session may still hold a lock."""
+        """Give back everything the cache keeps; no session may still hold a lock."""
 
     @abstractmethod
     def stats(self) -> CacheStats:

@@ -1,29 +1,28 @@
 """Checkpoints for models that carry state between tokens (Mamba, LFM2 and other hybrids).
 
-KV pages cannot restore a recurrent state, so this cache keeps checkpoints: the tokens, the
-recurrent state at exactly that position (a blob from `llama_state_seq_get_data_ext`) and, for
-hybrids, the attention cells of those tokens under a holder sequence id (shared, not copied).
-A prompt can attach a checkpoint only when it starts with all of its tokens.
+KV pages cannot restore a recurrent state, so this cache keeps checkpoints: the tokens and the
+whole sequence at exactly that position (its recurrent state and, for hybrids, its attention rows),
+a blob from `llama_state_seq_get_data`, kept whole in the host store. A prompt can attach a
+checkpoint only when it starts with all of its tokens; attaching sets the blob into the session's
+empty stream.
 
 Invariants:
-- the blobs' bytes never exceed the budget, not even between insert and evict: room is made
-  before a state is saved; the number of checkpoints never exceeds `max_states`;
-- eviction takes conversation checkpoints before opening ones, least recently used first, and
-  never one a live session was restored from;
-- a holder keeps positions [0, position) of its checkpoint; `own_cells` counts those no other
-  holder shares: the rest belong to its `base` (the checkpoint its session was restored from),
-  whose cells outlive its eviction under this holder. So `held_cells`, the sum over the
-  checkpoints kept and their bases, is the cells the holders keep.
+- the blobs' bytes never exceed the store's budget, not even between insert and evict: the store
+  makes room before it keeps a state; the number of checkpoints never exceeds `max_states`;
+- eviction takes conversation checkpoints before opening ones, then cold before hot, least
+  recently used first, and never one a live session restored or saved.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
-from kvserve.cache.kv_pool import SeqIds, Session
-from kvserve.cache.page_tree import tick
+from kvserve.cache.host_store import HostStore
+from kvserve.cache.kv_pool import Session
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.context import Context
 
@@ -31,40 +30,39 @@ from kvserve.llama.context import Context
 @dataclass(eq=False)
 class Checkpoint:
     tokens: list[int]
-    blob: bytes
     kind: MarkKind
+    nbytes: int
     preview: str = ""  # a label for dashboards
-    holder: int | None = None
-    base: "Checkpoint | None" = None
-    own_cells: int = 0
-    lock_ref: int = 0
     hits: int = 0
-    last_access: int = field(default_factory=tick)
 
     @property
     def position(self) -> int:
         return len(self.tokens)
 
     def snapshot(self) -> dict:
-        return {"position": self.position, "kind": self.kind.value, "bytes": len(self.blob), "hits": self.hits,
+        return {"position": self.position, "kind": self.kind.value, "bytes": self.nbytes, "hits": self.hits,
                 "preview": self.preview}
+
+
+def _rank(kind: MarkKind) -> int:
+    """Lower goes first: conversation checkpoints before openings."""
+    return 1 if kind is MarkKind.OPENING else 0
 
 
 class StateCache(PrefixCache):
     keeps = "checkpoints"
     donates_prompt = False  # the prompt's end is the `close` mark plus a generation prompt: not worth a state
 
-    def __init__(self, ctx: Context, ids: SeqIds, page_rows: int, budget_bytes: int, max_states: int = 16,
+    def __init__(self, ctx: Context, page_rows: int, store: HostStore[Checkpoint, np.ndarray], max_states: int = 16,
                  min_gap: int | None = None) -> None:
         if not ctx.model.info.carries_state:
             raise ValueError("attention-only models need no checkpoints: use the page cache")
         self.ctx = ctx
-        self.ids = ids
         self.page_rows = page_rows
-        self.budget_bytes = budget_bytes
+        self.store = store
+        store.on_evict = self._evicted
         self.max_states = max_states
         self.min_gap = page_rows if min_gap is None else min_gap
-        self.hybrid = ctx.model.info.is_hybrid
         self.checkpoints: list[Checkpoint] = []
         self._locks: dict[Session, list[Checkpoint]] = {}
         self._state_size = 0  # of the last state saved: the estimate `checkpoint_at` decides by
@@ -72,27 +70,17 @@ class StateCache(PrefixCache):
         self._hit_tokens = 0
         self._restores = 0
         self._evictions = 0
-        self._evicted_cells = 0
-
-    # -- what the pool reads ----------------------------------------------------------------------
 
     @property
     def bytes_used(self) -> int:
-        return sum(len(c.blob) for c in self.checkpoints)
+        return self.store.bytes_used
 
     @property
-    def held_cells(self) -> int:
-        return sum(c.own_cells for c in self._keeping_cells())
+    def budget_bytes(self) -> int:
+        return self.store.budget_bytes
 
-    def _keeping_cells(self) -> set[Checkpoint]:
-        """The checkpoints kept and, transitively, their bases: an evicted base's cells live on
-        under the holders of the checkpoints taken after it."""
-        keeping: set[Checkpoint] = set()
-        for checkpoint in self.checkpoints:
-            while checkpoint is not None and checkpoint not in keeping:
-                keeping.add(checkpoint)
-                checkpoint = checkpoint.base
-        return keeping
+    def caps(self) -> dict:
+        return {"prefix_cache_bytes": self.store.budget_bytes, "prefix_states": self.max_states}
 
     # -- lookup -------------------------------------------------------------------------------------
 
@@ -110,18 +98,15 @@ class StateCache(PrefixCache):
         return found.position if found else 0
 
     def attach(self, session: Session, tokens: list[int]) -> int:
-        """Restore the deepest checkpoint into an empty session: its cells shared, its state loaded."""
+        """Set the deepest checkpoint into an empty session's stream."""
         if session.tokens:
             raise ValueError("attach needs an empty session")
         self._queried_tokens += len(tokens)
         found = self._match(tokens)
         if found is None:
             return 0
-        if found.holder is not None:
-            self.ctx.seq_cp(found.holder, session.seq, 0, found.position)
-        self.ctx.load_state(session.seq, found.blob)
+        self.ctx.write_seq_state(session.seq, self.store.get(found))
         session.tokens = list(found.tokens)
-        session.shared = found.position if found.holder is not None else 0
         self._lock(session, found)
         found.hits += 1
         self._restores += 1
@@ -138,8 +123,8 @@ class StateCache(PrefixCache):
             return 0  # too close to what is already restored, or no token left to evaluate
         if any(c.tokens == tokens[:mark] for c in self.checkpoints):
             return 0  # already cached there
-        if self._state_size > self.budget_bytes:
-            return 0  # the last state saved would not fit even in an empty budget
+        if not self.store.fits(self._state_size):
+            return 0  # the last state saved would not fit even after every eviction
         return mark
 
     def insert(self, session: Session, tokens: list[int], preview: str = "",
@@ -150,103 +135,62 @@ class StateCache(PrefixCache):
             raise ValueError("a checkpoint is taken where the session stands: tokens must be its history")
         for c in self.checkpoints:
             if c.tokens == session.tokens:
-                c.last_access = tick()
-                if kind is MarkKind.OPENING:
+                self.store.touch(c)
+                if kind is MarkKind.OPENING and c.kind is not kind:
                     c.kind = kind
+                    self.store.rerank(c, _rank(kind))
                 return c
-        if not self._make_room(self.ctx.state_size(session.seq)):
+        self._state_size = self.ctx.state_size(session.seq)
+        if not self.store.fits(self._state_size) or not self._below_max_states():
             return None
-        return self._save(session, kind, preview)
-
-    def _save(self, session: Session, kind: MarkKind, preview: str) -> Checkpoint:
-        locked = self._locks.get(session)
-        base = locked[-1] if locked else None  # the deepest it restored or saved: its cells are shared
-        checkpoint = Checkpoint(tokens=list(session.tokens), blob=self.ctx.save_state(session.seq), kind=kind,
-                                preview=preview[:80])
-        self._state_size = len(checkpoint.blob)
-        if self.hybrid:
-            checkpoint.holder = self.ids.take(self.free_a_seq_id)
-            self.ctx.seq_cp(session.seq, checkpoint.holder, 0, session.n_past)
-            checkpoint.base = base
-            checkpoint.own_cells = session.n_past - (base.position if base else 0)
-            session.shared = session.n_past  # its cells are the checkpoint's from here on
+        blob = self.ctx.read_seq_state(session.seq)
+        checkpoint = Checkpoint(tokens=list(session.tokens), kind=kind, nbytes=blob.nbytes, preview=preview[:80])
+        if not self.store.put(checkpoint, blob, rank=_rank(kind)):
+            return None
         self.checkpoints.append(checkpoint)
         self._lock(session, checkpoint)
         return checkpoint
 
+    def _below_max_states(self) -> bool:
+        """Fewer than `max_states` checkpoints, once the store evicted what it may for that."""
+        while len(self.checkpoints) >= self.max_states:
+            if not self.store.evict(1):
+                return False
+        return True
+
     # -- locks and eviction -------------------------------------------------------------------------
 
     def _lock(self, session: Session, checkpoint: Checkpoint) -> None:
-        checkpoint.lock_ref += 1
-        checkpoint.last_access = tick()
+        self.store.lock(checkpoint)
         self._locks.setdefault(session, []).append(checkpoint)
 
     def unlock(self, session: Session) -> None:
         for checkpoint in self._locks.pop(session, []):
-            checkpoint.lock_ref -= 1
+            self.store.unlock(checkpoint)
 
-    def _victims(self) -> list[Checkpoint]:
-        """Unlocked checkpoints in eviction order: conversation before opening, then oldest first."""
-        free = [c for c in self.checkpoints if c.lock_ref == 0]
-        return sorted(free, key=lambda c: (c.kind is MarkKind.OPENING, c.last_access))
-
-    def _make_room(self, size: int) -> bool:
-        if size > self.budget_bytes:
-            return False
-        victims = iter(self._victims())
-        while self.bytes_used + size > self.budget_bytes or len(self.checkpoints) >= self.max_states:
-            victim = next(victims, None)
-            if victim is None:
-                return False
-            self._evict(victim)
-        return True
-
-    def evict(self, cells: int) -> int:
-        """Evict checkpoints that keep attention cells, in eviction order, until `cells` are freed.
-        A base of a checkpoint kept is passed over: its cells would stay, under that one's holder."""
-        before = self.held_cells
-        for victim in self._victims():
-            if before - self.held_cells >= cells:
-                break
-            if victim.own_cells and not any(c.base is victim for c in self.checkpoints):
-                self._evict(victim)
-        return before - self.held_cells
-
-    def free_a_seq_id(self) -> None:
-        victim = next((c for c in self._victims() if c.holder is not None), None)
-        if victim is not None:
-            self._evict(victim)
-
-    def _evict(self, victim: Checkpoint) -> None:
-        held = self.held_cells
-        self.checkpoints.remove(victim)
-        if victim.holder is not None:
-            self.ctx.seq_rm(victim.holder)
-            self.ids.give_back(victim.holder)
-        victim.blob = b""  # a base outlives its eviction only as the account of its cells
+    def _evicted(self, checkpoint: Checkpoint) -> None:
+        self.checkpoints.remove(checkpoint)
         self._evictions += 1
-        self._evicted_cells += held - self.held_cells
 
     def release(self) -> None:
-        if any(c.lock_ref for c in self.checkpoints):
+        if any(self._locks.values()):
             raise RuntimeError("sessions still use checkpoints: end them first")
-        for victim in list(self.checkpoints):
-            self._evict(victim)
+        for checkpoint in self.checkpoints:
+            self.store.discard(checkpoint)
+        self.checkpoints.clear()
 
     # -- what metrics and dashboards read -------------------------------------------------------------
-
-    def _pages(self, cells: int) -> int:
-        return -(-cells // self.page_rows)
 
     def stats(self) -> CacheStats:
         openings = sum(c.kind is MarkKind.OPENING for c in self.checkpoints)
         return CacheStats(
-            queried_tokens=self._queried_tokens, hit_tokens=self._hit_tokens,
-            evicted_pages=self._pages(self._evicted_cells), state_hits=self._restores,
-            state_evictions=self._evictions, held_pages=self._pages(self.held_cells), state_bytes=self.bytes_used,
+            queried_tokens=self._queried_tokens, hit_tokens=self._hit_tokens, state_hits=self._restores,
+            state_evictions=self._evictions, state_bytes=self.bytes_used, held_bytes=self.bytes_used,
+            locked_entries=self.store.stats().locked_entries,
             opening_checkpoints=openings, conversation_checkpoints=len(self.checkpoints) - openings,
         )
 
     def view(self) -> dict:
-        return {"enabled": True, "held_pages": self._pages(self.held_cells), "state_bytes": self.bytes_used,
-                "state_budget_bytes": self.budget_bytes, "checkpoints": [c.snapshot() for c in self.checkpoints]}
+        return {"enabled": True, "held_pages": 0, "state_bytes": self.bytes_used, "held_bytes": self.bytes_used,
+                "state_budget_bytes": self.budget_bytes, "budget_bytes": self.budget_bytes,
+                "checkpoints": [c.snapshot() for c in self.checkpoints]}

@@ -31,12 +31,14 @@ import llama_cpp
 import numpy as np
 
 from kvserve.llama.batch import Batch
-from kvserve.llama.context import FLASH_ATTENTION_TILE_ROWS, Context, ContextParams, FlashAttn
+from kvserve.llama.context import Context, ContextParams, FlashAttn
 from kvserve.llama.model import Model
 
 _log = logging.getLogger("kvserve.attention")
 
 PROBE_TOKENS = 512  # enough cells for flat attention to build up a large sum; two prefills of it
+# From this many query rows in a ubatch, the CPU kernel works in tiles (with f32 sums)
+FLASH_ATTENTION_TILE_ROWS = 64
 TAIL = 8  # well under FLASH_ATTENTION_TILE_ROWS: the tail's rows take the one-query path
 TOLERANCE = 0.015  # nats of KL divergence: about twice SmolLM2's, under half Gemma 3's
 
@@ -108,7 +110,7 @@ def probe_kl(model: Model, flash_attn: FlashAttn, n_threads: int) -> float | Non
     llama.cpp did not enable it (`auto` on a device without it). The split evaluation runs on a
     second sequence, so models that carry state (which cannot drop a tail) are probed alike."""
     tokens = probe_tokens(model.info.n_vocab)
-    ctx = Context(model, ContextParams(n_ctx=2 * PROBE_TOKENS, n_batch=PROBE_TOKENS, n_seq_max=2,
+    ctx = Context(model, ContextParams(n_ctx_seq=PROBE_TOKENS, n_batch=PROBE_TOKENS, n_seq_max=2,
                                        n_threads=n_threads, flash_attn=flash_attn))
     try:
         if not ctx.flash_attn:

@@ -1,8 +1,14 @@
-"""One llama.cpp context with a unified KV cache. Not thread-safe: one thread makes every call."""
+"""One llama.cpp context with a KV stream per sequence. Not thread-safe: one thread makes every call.
+
+Sequence id i lives in stream i, of `n_ctx_seq` cells: a token's attention reads only its own
+sequence's cells, and llama.cpp splits a batch over the streams itself. Rows move between streams
+only as whole streams (`seq_cp`) or as per-sequence state (`save_state` / `load_state`).
+"""
 
 from __future__ import annotations
 
 import ctypes
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,30 +36,32 @@ class NoKvSlot(DecodeError):
 
 
 FlashAttn = Literal["on", "off", "auto"]
-# From this many tokens in a ubatch, the CPU flash-attention kernel works in tiles of this many
-# query rows by 64 cells (GGML_FA_TILE_Q in ggml-cpu/common.h) and skips a tile only where every row
-# is masked; below it, each row skips masked cells on its own. So a batch of 64+ tokens that mixes
-# sequences makes each shared tile attend, at full cost, over every cell of all its sequences.
-FLASH_ATTENTION_TILE_ROWS = 64
+# how llama.cpp reports each KV (attention) and RS (recurrent state) buffer it allocates
+_BUFFER_SIZE = re.compile(r"(?:KV|RS) buffer size =\s*([\d.]+) MiB")
 _FLASH_ATTN_TYPES = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
                      "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}
 
 
 @dataclass(frozen=True)
 class ContextParams:
-    n_ctx: int
+    n_ctx_seq: int  # cells of each sequence's stream: the longest a sequence may grow
     n_batch: int
-    n_seq_max: int
+    n_seq_max: int  # sequences, one stream each
     n_threads: int
     n_ubatch: int = 512
     flash_attn: FlashAttn = "auto"
-    # one KV stream for all sequences; False (a stream per sequence, what llama-server runs) only
-    # for bench/attention.py's comparison: the page cache needs cells that sequences share
-    unified: bool = True
+    # one stream shared by every sequence: only for bench/attention.py's comparison, and contexts
+    # whose sequences live only for one batch (embeddings, the flash-attention probe)
+    unified: bool = False
     # an embedding context: every token is output and pooled per sequence by `pooling` (a
     # LLAMA_POOLING_TYPE_*); a sequence must then fit in one ubatch, since llama.cpp pools per ubatch
     embeddings: bool = False
     pooling: int = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
+
+    @property
+    def n_ctx(self) -> int:
+        """llama.cpp's n_ctx: every stream's cells together."""
+        return self.n_ctx_seq * (1 if self.unified else self.n_seq_max)
 
 
 class Context:
@@ -71,12 +79,9 @@ class Context:
         cparams.n_seq_max = params.n_seq_max
         cparams.n_threads = params.n_threads
         cparams.n_threads_batch = params.n_threads
-        cparams.kv_unified = params.unified  # shared cells are what makes zero-copy prefix attach possible
-        # In a unified cache every token's attention spans all used cells, masked per sequence. The
-        # CPU flash-attention kernel skips masked cells (and whole masked tiles), though it still reads
-        # each cell's mask; plain attention computes them all, so flash attention is what makes one
-        # shared cache affordable (bench/attention.py: 1.2-1.3x a stream per sequence). Its price: it
-        # rounds differently by batch shape (tiled for many queries, one-query path for decodes).
+        cparams.kv_unified = params.unified
+        # Flash attention rounds differently by batch shape (tiled for many queries, one-query path
+        # for decodes); `off` is bit-stable.
         cparams.flash_attn_type = _FLASH_ATTN_TYPES[params.flash_attn]
         cparams.no_perf = True
         cparams.embeddings = params.embeddings
@@ -90,11 +95,16 @@ class Context:
         # Under `auto` llama.cpp decides by device and says so only in its log.
         self.flash_attn = params.flash_attn == "on" or (
             params.flash_attn == "auto" and any("Flash Attention enabled" in line for line in said))
-        self.attention_tile_rows = FLASH_ATTENTION_TILE_ROWS if self.flash_attn else None
+        # the memory of every stream, as llama.cpp allocated it (it reports it only in its log)
+        self.kv_bytes = int(sum(float(m.group(1)) for line in said if (m := _BUFFER_SIZE.search(line))) * 2**20)
         self._mem = llama_cpp.llama_get_memory(self._ptr)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
         self.n_batch = llama_cpp.llama_n_batch(self._ptr)
         self.n_seq_max = llama_cpp.llama_n_seq_max(self._ptr)
+        self.unified = params.unified
+        self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(self._ptr)  # padded to 256 by llama.cpp
+        # a sliding-window cache keeps only the last window of a sequence: its rows cannot be cut back
+        self.n_swa = llama_cpp.llama_model_n_swa(model.ptr)
         self._n_vocab = model.info.n_vocab
 
     @property
@@ -123,22 +133,27 @@ class Context:
         ptr = llama_cpp.llama_get_logits_ith(self._ptr, index)
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
 
-    def seq_embedding(self, seq: int) -> np.ndarray:
-        """A copy of the pooled embedding of `seq` from the last decode (an embedding context's)."""
-        ptr = llama_cpp.llama_get_embeddings_seq(self._ptr, seq)
-        if not ptr:
-            raise RuntimeError(f"llama.cpp has no pooled embedding for sequence {seq}")
-        return np.ctypeslib.as_array(ptr, shape=(llama_cpp.llama_model_n_embd_out(self.model.ptr),)).copy()
+    # one stream shared by every sequence: only for bench/attention.py's comparison, and contexts
+    # whose sequences live only for one batch (embeddings, the flash-attention probe)
+    unified: bool = False
+    # an embedding context: every token is output and pooled per sequence by `pooling` (a
+    # LLAMA_POOLING_TYPE_*); a sequence must then fit in one ubatch, since llama.cpp pools per ubatch
+    embeddings: bool = False
+    pooling: int = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
 
-    # -- memory: sequences in the unified KV cache -------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        """llama.cpp's n_ctx: every stream's cells together."""
+        return self.n_ctx_seq * (1 if self.unified else self.n_seq_max)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         """Forget positions [p0, p1) of `seq`; False when a recurrent state would be cut."""
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
-    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Let `dst` share the cells of `src` in [p0, p1): no data is copied."""
-        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Make `dst` a copy of the whole of `src`: its stream is reset, then `src`'s stream is
+        copied into it at the next decode. (A ranged copy between streams aborts the process.)"""
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
 
     def clear(self) -> None:
         """Forget every sequence."""
@@ -151,28 +166,15 @@ class Context:
     def seq_pos_min(self, seq: int) -> int:
         return llama_cpp.llama_memory_seq_pos_min(self._mem, seq)
 
-    # -- state: the recurrent part of a sequence --------------------------------------------------
-
-    def state_flags(self) -> int:
-        """Hybrids save only their recurrent part (their KV stays in pages); recurrent models save all."""
-        if self.model.info.is_hybrid:
-            return llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        return 0
-
-    def state_size(self, seq: int) -> int:
-        return llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, self.state_flags())
-
-    def save_state(self, seq: int) -> bytes:
-        return self.read_seq_state(seq, self.state_flags()).tobytes()
-
-    def load_state(self, seq: int, blob: bytes) -> None:
-        self.write_seq_state(seq, blob, self.state_flags())
-
     # -- state: a sequence's memory as llama.cpp serializes it (kvserve.llama.seq_state reads it) -----
 
+    def state_size(self, seq: int, flags: int = 0) -> int:
+        return llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, flags)
+
     def read_seq_state(self, seq: int, flags: int = 0) -> np.ndarray:
-        """`seq`'s state blob (`flags`: llama_state_seq_flags), in a buffer of its own."""
-        size = llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, flags)
+        """`seq`'s state blob (`flags`: llama_state_seq_flags; 0: its KV rows and any recurrent
+        state), in a buffer of its own."""
+        size = self.state_size(seq, flags)
         buf = np.empty(size, dtype=np.uint8)
         written = llama_cpp.llama_state_seq_get_data_ext(self._ptr, _u8_pointer(buf), size, seq, flags)
         if written != size:

@@ -2,9 +2,8 @@
 
 Invariants:
 - running choices never exceed `max_running`;
-- a request starts only with room for its uncached prompt on top of what running requests have still
-  to prefill, so a new prompt cannot take the cells an admitted one needs; a prompt without room in
-  a context where nothing runs never fits, and fails with a 400;
+- a request starts only when `KvManager.room_for` says so (a stream per sequence); a prompt that
+  does not fit one stream fails with a 400;
 - cache-aware order ranks only the head of the queue (`ADMISSION_WINDOW`), so a long queue costs
   nothing extra, and a request passed over `STARVATION_LIMIT` times goes first regardless;
 - only a request never admitted times out in the queue (503); a preempted one keeps its place;
@@ -13,14 +12,14 @@ Invariants:
 
 from __future__ import annotations
 
-import enum
 import time
 
+from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.detokenizer import Detokenizer
 from kvserve.llama.sampler import Sampler
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.ending import Ending
-from kvserve.scheduler.kv_manager import KvManager
+from kvserve.scheduler.kv_manager import KvManager, Room
 from kvserve.scheduler.queues import Queues
 from kvserve.scheduler.request import Choice, FinishReason, Request
 from kvserve.scheduler.step_output import StepOutputs
@@ -30,12 +29,6 @@ from kvserve.scheduler.stop_strings import StopMatcher
 STARVATION_LIMIT = 8
 # Cache-aware admission ranks only the head of the queue, so a long queue costs nothing extra.
 ADMISSION_WINDOW = 32
-
-
-class Room(enum.Enum):
-    NOW = "now"
-    LATER = "later"  # once running requests give cells back
-    NEVER = "never"  # nothing runs, and still there is none
 
 
 class Admission:
@@ -59,8 +52,8 @@ class Admission:
             self.ending.end(request, FinishReason.ERROR, outputs, error=message, status=503)
 
     def admit(self, outputs: StepOutputs) -> None:
-        """Start waiting requests in admission order until one cannot start for lack of a slot,
-        cells or a sequence id; one that waits for a running prefill of its prefix is skipped."""
+        """Start waiting requests in admission order until one cannot start for lack of a slot or a
+        stream; one that waits for a running prefill of its prefix is skipped."""
         if self.free_slots() <= 0:
             return  # no slot: skip ranking the queue, which costs a cache lookup per waiting request
         admitted: list[Request] = []
@@ -72,15 +65,13 @@ class Admission:
             if self._waits_for_a_running_prefill(request, cached):
                 request.state.blocked_on = "a running prefill of the same prefix to donate it"
                 continue
-            room = self._make_room_for(request, cached)
+            room = self.kv.room_for(request, _open_choices(request))
             if room is Room.NEVER:
                 self.ending.end(request, FinishReason.ERROR, outputs, error="the prompt does not fit in the KV cache",
                                 status=400)
-            if room is not Room.NOW:
-                request.state.blocked_on = f"KV cells for {len(request.prompt) - cached} prompt tokens"
-                break
-            if not self._start(request):
-                request.state.blocked_on = "a free sequence id"
+                continue
+            if room is Room.LATER or not self._start(request):
+                request.state.blocked_on = "a free KV stream"
                 break
             self.queues.waiting.remove(request)
             self.queues.running.append(request)
@@ -113,39 +104,25 @@ class Admission:
         for other in self.queues.running:
             first = other.state.choices[0]
             if first.session is not None and first.session.n_past < len(other.prompt):
-                if self.kv.gains_from_waiting(_common_prefix(request.prompt, other.prompt), cached):
+                if self.kv.gains_from_waiting(common_prefix(request.prompt, other.prompt), cached):
                     return True
         return False
 
-    def _make_room_for(self, request: Request, cached: int) -> Room:
-        """Evict cold cache entries for the uncached prompt (and one token per choice) on top of what
-        running requests have still to prefill; says whether there is room, and if not, whether
-        there can be."""
-        if self.kv.make_room(self._unevaluated_tokens() + len(request.prompt) - cached + request.n):
-            return Room.NOW
-        return Room.LATER if self.queues.running else Room.NEVER
-
-    def _unevaluated_tokens(self) -> int:
-        return sum(c.unevaluated for r in self.queues.running for c in r.state.choices if c.active)
-
     def _start(self, request: Request) -> bool:
-        """Give each open choice a session and attach what the cache holds. False: no ids now.
-        On the first start only choice 0 prefills (its siblings fork from it once the prompt is
-        evaluated) and the checkpoint marks are planned; a preempted request resumes every choice."""
+        """Give each open choice a session, placed where what it starts with is kept or cached. False:
+        no streams now. On the first start only choice 0 prefills (its siblings fork from it once the
+        prompt is evaluated) and the checkpoint marks are planned; a preempted request resumes every choice."""
         first_time = not request.state.choices
         if first_time:
             request.state.choices = [self._new_choice(request, i) for i in range(request.n)]
         open_choices = [c for c in request.state.choices if c.finish_reason is None]
-        if not self.kv.open_sessions(request, open_choices):
+        if not self.kv.start(request, open_choices, open_choices[:1] if first_time else open_choices):
             return False
         request.state.admitted_at = request.state.admitted_at or time.monotonic()
-        if not first_time:
-            self.kv.attach_cached(request, open_choices)
-            return True
-        for sibling in open_choices[1:]:
-            sibling.waits_for_fork = True
-        self.kv.attach_cached(request, open_choices[:1])
-        self.kv.plan_checkpoints(request)
+        if first_time:
+            for sibling in open_choices[1:]:
+                sibling.waits_for_fork = True
+            self.kv.plan_checkpoints(request)
         return True
 
     def _new_choice(self, request: Request, index: int) -> Choice:
@@ -163,11 +140,3 @@ def _open_choices(request: Request) -> int:
     """Choices the request runs (or will run once started): each takes a slot."""
     return sum(c.finish_reason is None for c in request.state.choices) if request.state.choices else request.n
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -3,17 +3,15 @@
 Invariants:
 - decode tokens go first, one per running choice that has sampled; prompt chunks fill the rest in
   admission order;
-- a batch never exceeds the token budget, never outruns free KV cells (the cache evicts, then the
-  newest running request is preempted), and never carries a sequence twice;
+- a batch never exceeds the token budget, never carries a sequence twice, and carries a sequence's
+  tokens only where `KvManager.reserve` found room in its stream (a sequence at its stream's end
+  ends with `length`);
 - with `prefill_chunk` set (`--prefill-chunk`, off by default), a batch that decodes carries at most
   that many prompt tokens, so a running stream's next token waits for one short step, never a long
   prefill (stall-free batching, as Sarathi-Serve's);
 - choice 0's prefill stops at each of its request's checkpoints, where a recurrent state can be saved;
-- with flash attention, decode tokens and prompt chunks go to separate `llama_decode` calls, each
-  under the kernel's tile rows for decodes, unless all of them together are under it: a decode
-  token sharing a tile with a prompt makes that tile attend over every cell of both sequences
-  (measured: 8 decodes riding in a 64-token chunk cost 477 ms, 276 ms as two calls; 64 decodes
-  cost 668 ms as one call, 378 ms as 63 + 1).
+- a step is one `llama_decode`: each sequence has its own stream, and llama.cpp splits the batch
+  into per-stream ubatches itself, so a decode token never attends over another sequence's cells.
 """
 
 from __future__ import annotations
@@ -55,23 +53,16 @@ class BatchPlanner:
         self.queues = queues
         self.preemptions = 0
 
-    def plan(self, outputs: StepOutputs) -> list[list[Slot]]:
-        """The step's `llama_decode` calls: decode tokens first, then prompt chunks, within budget and
-        free cells (cold cache pages are evicted for either). A step in which nothing could move sheds
-        the newest request, so running requests never wait on cells that only an idle cache or a later
-        request holds."""
-        decoding, prefilling = self._slots_with_room_to_decode(outputs)
-        chunks = self._prefill_chunks(prefilling, len(decoding))
-        if not decoding and not chunks:
-            if prefilling:
-                self.shed_load(outputs)
-            return []
-        return split_into_calls(decoding, chunks, self.config.attention_tile_rows)
+    def plan(self, outputs: StepOutputs) -> list[Slot]:
+        """The step's `llama_decode`: decode tokens first, then prompt chunks, within budget; a
+        sequence with no room left in its stream ends with `length`."""
+        decoding, prefilling = self._resident_slots(outputs)
+        return decoding + self._prefill_chunks(prefilling, len(decoding))
 
     def shed_load(self, outputs: StepOutputs) -> None:
-        """Out of cells: the newest request gives its sequences back (donating what it evaluated) and
-        waits at the head of the queue with its output so far; it resumes where it stopped. A request
-        alone in the context has filled it, and ends with `length`."""
+        """llama.cpp found no room: the newest request gives its sequences back (donating what it
+        evaluated) and waits at the head of the queue with its output so far; it resumes where it
+        stopped. A request alone in the context ends with `length`."""
         if len(self.queues.running) == 1:
             self.ending.end(self.queues.running[0], FinishReason.LENGTH, outputs)
             return
@@ -82,37 +73,31 @@ class BatchPlanner:
             choice.waits_for_fork = False  # siblings that never forked restart from the prompt
         self.queues.waiting.appendleft(request)
 
-    def _slots_with_room_to_decode(self, outputs: StepOutputs) -> tuple[list[Slot], list[Slot]]:
-        """The resident slots, once every decoding one has a free cell (shedding load until it does)."""
-        decoding, prefilling = self._resident_slots()
-        while decoding and not self.kv.make_room(len(decoding)):
-            self.shed_load(outputs)
-            decoding, prefilling = self._resident_slots()
-        return decoding, prefilling
-
-    def _resident_slots(self) -> tuple[list[Slot], list[Slot]]:
+    def _resident_slots(self, outputs: StepOutputs) -> tuple[list[Slot], list[Slot]]:
         """Slots of one decode token each, and prefill slots whose size `_prefill_chunks` decides."""
         decoding: list[Slot] = []
         prefilling: list[Slot] = []
-        for request in self.queues.running:
+        for request in list(self.queues.running):
+            if any(c.active and c.unevaluated == 1 and not self.kv.reserve(c, 1) for c in request.state.choices):
+                self.ending.end(request, FinishReason.LENGTH, outputs)  # a sequence filled its stream
+                continue
             for choice in request.state.choices:
                 if choice.active:
                     (decoding if choice.unevaluated == 1 else prefilling).append(Slot(request, choice, 1))
         return decoding, prefilling
 
     def _prefill_chunks(self, prefilling: list[Slot], planned: int) -> list[Slot]:
-        """Prompt chunks in admission order after `planned` decode tokens, until budget or cells run out."""
+        """Prompt chunks in admission order after `planned` decode tokens, until the budget runs out."""
         chunks: list[Slot] = []
         budget = self._prefill_budget(planned)
         for slot in prefilling:
-            wanted = min(slot.choice.unevaluated, budget, _to_next_checkpoint(slot))
-            self.kv.make_room(planned + wanted)
-            slot.n_tokens = min(wanted, self.kv.free_cells - planned)
+            slot.n_tokens = min(slot.choice.unevaluated, budget, _to_next_checkpoint(slot))
             if slot.n_tokens <= 0:
                 break
+            if not self.kv.reserve(slot.choice, slot.n_tokens):  # admission saw the prompt fit its stream
+                raise RuntimeError("a prompt outgrew its stream")
             chunks.append(slot)
             budget -= slot.n_tokens
-            planned += slot.n_tokens
         return chunks
 
     def _prefill_budget(self, n_decoding: int) -> int:
@@ -120,15 +105,6 @@ class BatchPlanner:
         if n_decoding and self.config.prefill_chunk is not None:
             budget = min(budget, self.config.prefill_chunk)  # a running stream never waits through a long prefill
         return budget
-
-
-def split_into_calls(decoding: list[Slot], chunks: list[Slot], tile_rows: int | None) -> list[list[Slot]]:
-    """One call, unless it would reach `tile_rows` tokens: then decode tokens in calls under it, and
-    the prompt chunks after them."""
-    if tile_rows is None or len(decoding) + sum(c.n_tokens for c in chunks) < tile_rows:
-        return [decoding + chunks]
-    calls = [decoding[i:i + tile_rows - 1] for i in range(0, len(decoding), tile_rows - 1)]
-    return calls + [chunks] if chunks else calls
 
 
 def _to_next_checkpoint(slot: Slot) -> int:

@@ -12,6 +12,3 @@ class SchedulerConfig:
     max_seq_len: int  # longest sequence one request may grow to
     queue_timeout: float = 0.0  # seconds a request may wait before its first admission; 0: forever
     prefill_chunk: int | None = None  # most prompt tokens in a step that also decodes; None: the whole budget
-    # batch size from which llama.cpp's flash attention tiles rows (Context.attention_tile_rows); None:
-    # every row costs every cell anyway (flash attention off), so one llama_decode per step is cheapest
-    attention_tile_rows: int | None = None

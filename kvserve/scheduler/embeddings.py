@@ -93,7 +93,7 @@ class Embedder:
         self.config = config
         n_seq = min(MAX_SEQUENCES_PER_BATCH, config.batch_tokens)
         self.ctx = Context(model, ContextParams(
-            n_ctx=config.batch_tokens, n_batch=config.batch_tokens, n_ubatch=config.batch_tokens, n_seq_max=n_seq,
+            n_ctx_seq=config.batch_tokens, unified=True, n_batch=config.batch_tokens, n_ubatch=config.batch_tokens, n_seq_max=n_seq,
             n_threads=config.n_threads, flash_attn="off", embeddings=True, pooling=POOLING[config.pooling]))
         self.dimensions = llama_cpp.llama_model_n_embd_out(model.ptr)
         self._batch = Batch(config.batch_tokens)

@@ -1,20 +1,34 @@
-"""The KV side of requests: the session each choice holds in the pool, and what the prefix cache
-gives a request when it starts and takes from it as it goes and when it ends.
+"""The KV side of requests, and the one allocation API the scheduler asks: can this request start
+(`room_for`), place its sequences (`start`), reserve room for the next tokens of one (`reserve`),
+free them (`release`). Nothing else in the scheduler counts KV cells.
+
+Each sequence has a stream of `n_ctx_seq` cells of its own, so a request fits when its prompt and
+one generated token fit one stream, and a sequence can always grow to the end of its stream.
 
 Invariants:
-- a session holds exactly the tokens llama.cpp has for its seq id: `commit` appends what a decode
-  evaluated, nothing else does;
+- a session holds exactly the tokens llama.cpp has for its seq id: `start` sets what was kept in
+  place or attached, `commit` appends what a decode evaluated, nothing else does;
 - a choice holds a session from its start until its request ends or is preempted; `release` frees
   every one of them;
-- a forked choice never donates: its prompt cells are choice 0's;
+- a forked choice never donates: its prompt is choice 0's;
 - checkpoints are planned and taken for choice 0 only, whose prefill stops at each of them.
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import replace
+
+from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.kv_pool import KvPool, PoolExhausted
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.scheduler.request import Choice, Request
+
+
+class Room(enum.Enum):
+    NOW = "now"
+    LATER = "later"  # once running requests give streams back
+    NEVER = "never"  # the prompt does not fit one stream
 
 
 class KvManager:
@@ -22,41 +36,53 @@ class KvManager:
         self.pool = pool
         self.cache = cache
         self.model = pool.ctx.model
+        self.inplace_queried = 0  # prompt tokens of the sessions placed in place (the cache saw none of them)
 
-    # -- room ---------------------------------------------------------------------------------------------
+    # -- admission ------------------------------------------------------------------------------------
 
-    @property
-    def free_cells(self) -> int:
-        return self.pool.free_cells
-
-    def make_room(self, cells: int) -> bool:
-        """Whether `cells` cells are free, after the cache gave back cold entries for them."""
-        return self.pool.make_room(cells)
+    def room_for(self, request: Request, n_sequences: int) -> Room:
+        """Whether `n_sequences` of the request can start now: a free stream each, the prompt and a
+        generated token within one stream."""
+        if len(request.prompt) + 1 > self.pool.n_ctx_seq:
+            return Room.NEVER
+        return Room.NOW if self.pool.free_streams >= n_sequences else Room.LATER
 
     def cached_len(self, prompt: list[int]) -> int:
-        """Leading tokens of `prompt` that the cache would attach now."""
-        return self.cache.match_len(prompt)
+        """Leading tokens of `prompt` that starting it now would not evaluate (a stream keeps them in
+        place, or the cache attaches them)."""
+        return max(self.pool.resident_match(prompt), self.cache.match_len(prompt))
 
     def gains_from_waiting(self, shared: int, cached: int) -> bool:
         return self.cache.gains_from_waiting(shared, cached)
 
-    # -- starting ---------------------------------------------------------------------------------------
-
-    def open_sessions(self, request: Request, choices: list[Choice]) -> bool:
-        """A fresh session for each of `choices`; False, with none held, when sequence ids ran out."""
+    def start(self, request: Request, choices: list[Choice], placed: list[Choice]) -> bool:
+        """A session for each of `choices`; those in `placed` start from what is kept in place or
+        cached of their tokens, the others empty. False, with none held, when streams ran out."""
         try:
             for choice in choices:
-                choice.session = self.pool.new_session()
+                choice.session = self._place(choice) if choice in placed else self.pool.new_session()
         except PoolExhausted:
             self.release(request, donate=False)
             return False
+        for choice in placed:
+            request.state.cached_tokens = max(request.state.cached_tokens, min(choice.session.n_past, len(request.prompt)))
         return True
 
-    def attach_cached(self, request: Request, choices: list[Choice]) -> None:
-        """Attach to each choice's fresh session what the cache holds of its tokens."""
-        for choice in choices:
-            attached = self.cache.attach(choice.session, choice.tokens)
-            request.state.cached_tokens = max(request.state.cached_tokens, min(attached, len(request.prompt)))
+    def _place(self, choice: Choice):
+        """In the idle stream holding the longest prefix, unless the cache attaches more."""
+        kept = self.pool.resident_match(choice.tokens)
+        if kept and kept >= self.cache.match_len(choice.tokens):
+            self.inplace_queried += len(choice.tokens)
+            return self.pool.new_session(choice.tokens)
+        session = self.pool.new_session()
+        self.cache.attach(session, choice.tokens)
+        return session
+
+    def stats(self) -> CacheStats:
+        """The cache's counters, with what streams kept in place counted as hits."""
+        stats = self.cache.stats()
+        return replace(stats, queried_tokens=stats.queried_tokens + self.inplace_queried,
+                       hit_tokens=stats.hit_tokens + self.pool.inplace_tokens)
 
     def plan_checkpoints(self, request: Request) -> None:
         """Keep the request's marks at which a checkpoint of choice 0 is worth a stop of its prefill."""
@@ -66,7 +92,11 @@ class KvManager:
             if self.cache.checkpoint_at(session, request.prompt, session.n_past, mark.position)
         }
 
-    # -- after a decode -----------------------------------------------------------------------------------
+    # -- growing ------------------------------------------------------------------------------------------
+
+    def reserve(self, choice: Choice, n_tokens: int) -> bool:
+        """Whether the choice's stream has room for its next `n_tokens` (it is its own: nothing to take)."""
+        return choice.session.n_past + n_tokens <= self.pool.n_ctx_seq
 
     @staticmethod
     def commit(choice: Choice, n_tokens: int) -> None:
@@ -87,7 +117,7 @@ class KvManager:
             self.cache.insert(choice.session, choice.session.tokens, preview=self._preview(request))
 
     def fork_waiting_siblings(self, request: Request, parent: Choice) -> list[Choice]:
-        """The prompt is evaluated: the siblings waiting for it share the parent's cells from here."""
+        """The prompt is evaluated: the siblings waiting for it get a copy of the parent's stream."""
         siblings = [c for c in request.state.choices if c.waits_for_fork]
         for sibling in siblings:
             self.pool.fork(parent.session, sibling.session)
@@ -99,10 +129,8 @@ class KvManager:
 
     def release(self, request: Request, donate: bool) -> None:
         """Free every session of the request; unforked ones first donate what they evaluated to the
-        cache. Forked siblings go first: their prompt cells are accounted to choice 0."""
-        resident = [c for c in request.state.choices if c.session is not None]
-        resident.sort(key=lambda c: not c.forked)
-        for choice in resident:
+        cache. Each stream keeps its rows for a next turn until another session needs it."""
+        for choice in [c for c in request.state.choices if c.session is not None]:
             session = choice.session
             if donate and not choice.forked:
                 self.cache.insert(session, session.tokens, preview=self._preview(request))

@@ -66,7 +66,7 @@ class Scheduler:
         self._aborts: deque[tuple[str, str | None]] = deque()
         self._batch = Batch(pool.ctx.n_batch)
         self.last_progress = time.monotonic()  # when a step last evaluated tokens or ended a request
-        self.snapshot = EngineSnapshot(kv_cells=pool.n_cells, free_seq_ids=pool.free_ids)
+        self.snapshot = self._take_snapshot()
 
     # -- called from any thread --------------------------------------------------------------------
 
@@ -109,9 +109,9 @@ class Scheduler:
         try:
             self._take_inbox(outputs)
             self.admission.admit(outputs)
-            for slots in self.planner.plan(outputs):
-                if not self._run(slots, outputs):
-                    break
+            slots = self.planner.plan(outputs)
+            if slots:
+                self._run(slots, outputs)
         except Exception:  # a bug must not hang every client: fail what is in flight, keep serving
             _log.exception("engine step failed; failing the requests in flight")
             self.ending.fail({*self.running, *self.waiting}, "internal engine error", outputs)
@@ -130,8 +130,11 @@ class Scheduler:
             waiting=self.n_waiting,
             kv_cells=self.pool.n_cells,
             kv_used=self.pool.used_cells,
-            free_seq_ids=self.pool.free_ids,
-            cache=self.cache.stats(),
+            free_streams=self.pool.free_streams,
+            live_sessions=self.pool.live_sessions,
+            inplace_reuses=self.pool.inplace_reuses,
+            inplace_tokens=self.pool.inplace_tokens,
+            cache=self.kv.stats(),
             preemptions=self.preemptions,
             live_samplers=live_samplers(),
         )
@@ -149,9 +152,8 @@ class Scheduler:
         self.admission.time_out_waiting(outputs)
 
     def _run(self, slots: list[Slot], outputs: StepOutputs) -> bool:
-        """Decode one planned call, record what it evaluated, then sample where a sequence's known
-        tokens end (before the next call overwrites the logits). False: it evaluated nothing, and the
-        rest of the plan no longer holds."""
+        """Decode the planned batch, record what it evaluated, then sample where a sequence's known
+        tokens end. False: it evaluated nothing."""
         self._batch.clear()
         for slot in slots:
             slot.add_to(self._batch)
@@ -207,9 +209,9 @@ class Scheduler:
             for r in list(self.waiting)[:8]
         )
         return (f"running {len(self.running)} [{running}]; waiting {self.n_waiting} [{waiting}]; "
-                f"cells free {self.pool.free_cells} of {self.pool.n_cells}; "
+                f"KV cells used {self.pool.used_cells} of {self.pool.n_cells}; "
                 f"held pages {self.cache.stats().held_pages}; "
-                f"free sequence ids {self.pool.free_ids}")
+                f"free streams {self.pool.free_streams} of {self.pool.n_streams}")
 
     def release_all(self) -> None:
         """Give back every sequence without donating, and every sampler chain (shutdown)."""

@@ -15,7 +15,10 @@ class EngineSnapshot:
     waiting: int = 0
     kv_cells: int = 0
     kv_used: int = 0
-    free_seq_ids: int = 0
+    free_streams: int = 0
+    live_sessions: int = 0  # streams running a sequence: 0 whenever no request is open
+    inplace_reuses: int = 0  # sequences started in a stream that still held their prefix
+    inplace_tokens: int = 0  # prompt tokens those kept in place instead of evaluating
     cache: CacheStats = field(default_factory=CacheStats)
     preemptions: int = 0
     live_samplers: int = 0  # native sampler chains not yet freed: 0 whenever no request is open

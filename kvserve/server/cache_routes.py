@@ -15,7 +15,7 @@ router = APIRouter()
 async def prefix_match(body: dict, request: Request) -> dict:
     engine: Engine = request.app.state.engine
     tokens = await prompts.body_prompt(engine.model, engine.template, body)
-    cached = await engine.async_engine.call(lambda: engine.cache.match_len(tokens))
+    cached = await engine.async_engine.call(lambda: engine.scheduler.kv.cached_len(tokens))
     return {"prompt_tokens": len(tokens), "cached_tokens": cached}
 
 
@@ -29,7 +29,8 @@ async def cache_view(request: Request) -> dict:
         return {
             "page_rows": engine.settings.page_rows,
             **engine.cache.view(),
-            "pool": {"cells": pool.n_cells, "used_cells": pool.used_cells, "free_seq_ids": pool.free_ids},
+            "pool": {"cells": pool.n_cells, "used_cells": pool.used_cells, "streams": pool.n_streams,
+                     "free_streams": pool.free_streams, "inplace_reuses": pool.inplace_reuses},
         }
 
     return await engine.async_engine.call(snapshot)

@@ -46,14 +46,34 @@ class _EngineCollector(Collector):
             "kvserve_live_sampler_chains", "llama.cpp sampler chains allocated and not yet freed", s.live_samplers
         )
         yield GaugeMetricFamily(
-            "kvserve_kv_cache_usage_ratio", "Share of KV cells in use (shared pages count once)", s.kv_usage
+            "kvserve_kv_cache_usage_ratio", "Share of KV cells in use, every stream together", s.kv_usage
         )
         yield GaugeMetricFamily("kvserve_prefix_cache_held_pages", "Pages the prefix cache keeps", s.cache.held_pages)
+        yield GaugeMetricFamily(
+            "kvserve_prefix_cache_held_bytes", "Host memory the prefix cache's pages and states take",
+            s.cache.held_bytes,
+        )
+        yield GaugeMetricFamily(
+            "kvserve_prefix_cache_locked_entries",
+            "Cached pages or checkpoints a live request reads (0 whenever no request is open)", s.cache.locked_entries,
+        )
+        yield GaugeMetricFamily(
+            "kvserve_live_kv_sessions", "KV streams running a sequence (0 whenever no request is open)", s.live_sessions
+        )
+        yield CounterMetricFamily(
+            "kvserve_prefix_cache_inplace_reuse", "Sequences started in a stream that still held their prefix",
+            s.inplace_reuses,
+        )
+        yield CounterMetricFamily(
+            "kvserve_prefix_cache_inplace_tokens", "Prompt tokens kept in place in a stream instead of evaluated",
+            s.inplace_tokens,
+        )
         yield CounterMetricFamily(
             "kvserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", s.cache.queried_tokens
         )
         yield CounterMetricFamily(
-            "kvserve_prefix_cache_hit_tokens", "Prompt tokens attached from the prefix cache", s.cache.hit_tokens
+            "kvserve_prefix_cache_hit_tokens", "Prompt tokens not evaluated: attached from the cache or kept in place",
+            s.cache.hit_tokens,
         )
         yield CounterMetricFamily(
             "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.cache.evicted_pages
@@ -72,7 +92,8 @@ class _EngineCollector(Collector):
             "kvserve_prefix_state_evictions", "Checkpoints evicted to keep the budget", s.cache.state_evictions
         )
         yield CounterMetricFamily(
-            "kvserve_preemptions", "Running requests sent back to the queue for lack of KV cells", s.preemptions
+            "kvserve_preemptions", "Running requests sent back to the queue because llama.cpp found no KV slot",
+            s.preemptions,
         )
         yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", t.steps)
         yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", t.step_seconds)

@@ -14,8 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
-from kvserve.cache.page_cache import cold_cap
-from kvserve.scheduler.engine import Engine, cache_cells
+from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -37,14 +36,14 @@ def _engine(request: Request) -> Engine:
 async def server_info(request: Request) -> dict:
     engine = _engine(request)
     s = engine.settings
-    cache_cap = cache_cells(s.prefix_cache_cells, engine.pool.ctx.n_ctx)  # the cap in force
+    pool = engine.pool
     return {
         "served_model_name": s.served_name,
         "model_path": str(s.model),
         "tp_size": 1,  # one llama.cpp context per replica: scale out with more replicas
         "dp_size": 1,
         "context_length": engine.max_seq_len,
-        "max_total_tokens": s.ctx_size,
+        "max_total_tokens": pool.n_cells,
         "version": __version__,
         "engine": "kvserve",
         "flash_attn": engine.attention.as_dict(),  # what runs and why (--flash-attn and the self-check)
@@ -55,10 +54,9 @@ async def server_info(request: Request) -> dict:
             "ctx_size": s.ctx_size,
             "parallel": s.parallel,
             "page_rows": s.page_rows,
-            "prefix_cache_cells": cache_cap,
-            "prefix_cache_cold_cells": cold_cap(cache_cap),  # what pages no request has reused may fill of it
-            "prefix_states": s.prefix_states,
-            "prefix_state_mb": s.prefix_state_mb,
+            "kv_streams": pool.n_streams,  # one per running sequence, of ctx_size cells each
+            "kv_bytes": pool.ctx.kv_bytes,  # the memory of every stream, as llama.cpp allocated it
+            **engine.cache.caps(),  # the limits the cache keeps to (host bytes, checkpoints)
         },
     }
 
