@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.model import Model
-from kvserve.llama.special_cuts import SpecialCuts
+from kvserve.llama.special_cuts import SpecialCuts, TooManySpecialTokens
 
-SPECIAL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+SPECIAL = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+           | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3", "qwen_coder"])
@@ -55,7 +56,8 @@ def assert_same(model: Model, text: str) -> None:
 
 def conversation(n: int) -> list[dict[str, str]]:
     roles = ["user", "assistant"]
-    return [{"role": roles[i % 2], "content": f"message {i}: héllo  wörld 日本語 🙂\n\n  indented"} for i in range(n)]
+    text = "héllo  wörld 日本語 🙂\n\n  indented"
+    return [{"role": roles[i % 2], "content": f"message {i}: {text}"} for i in range(n)]
 
 
 def test_rendered_chats_tokenize_as_one_call(model: Model) -> None:
@@ -122,3 +124,30 @@ def test_a_cut_never_falls_inside_overlapping_spellings() -> None:
     assert all(piece.endswith(b"<a>") for piece in pieces[:-1])
     with pytest.raises(ValueError):
         list(cuts.pieces(b"\n" * 5000, every=4, limit=100))
+
+
+def test_a_run_no_cut_divides_is_a_400(gemma3: Path) -> None:
+    """Gemma 3 spells every run of up to 31 newlines as one token: a long run has no safe cut,
+    and llama.cpp would split it quadratically. Model.tokenize refuses it; the API answers a 400."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from kvserve.server.errors import install_error_handlers
+
+    model = Model(gemma3)
+    text = "a" + "\n" * 200_000
+    with pytest.raises(TooManySpecialTokens):
+        model.tokenize(text, add_special=True)
+    assert model.tokenize(text[:20_000], add_special=True) == raw(model, text[:20_000], True)
+    model.close()
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    def refuse() -> None:
+        raise TooManySpecialTokens("over 4096 overlapping special-token spellings in a row")
+
+    response = TestClient(app).post("/v1/completions")
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"

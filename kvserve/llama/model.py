@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import llama_cpp
@@ -11,7 +12,8 @@ import llama_cpp
 from kvserve.llama.backend import ensure_backend
 from kvserve.llama.special_cuts import SpecialCuts
 
-_SPECIAL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+_SPECIAL = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+            | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)  # the tokens llama.cpp splits texts on
 # Vocabularies whose `add_special` means exactly BOS first (if wanted) and EOS last (if wanted).
 _BOS_EOS_TYPES = (llama_cpp.LLAMA_VOCAB_TYPE_SPM, llama_cpp.LLAMA_VOCAB_TYPE_BPE, llama_cpp.LLAMA_VOCAB_TYPE_UGM)
 
@@ -58,11 +60,11 @@ class Model:
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
         self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.adds_eos = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
-        self._cuts = self._special_cuts()
 
-    def _special_cuts(self) -> SpecialCuts | None:
-        """Where texts may be cut for tokenizing (see special_cuts); None where the vocabulary has
-        no special tokens or a type whose `add_special` is not plain BOS/EOS."""
+    @cached_property
+    def _cuts(self) -> SpecialCuts | None:
+        """Where texts may be cut for tokenizing (see special_cuts), read from the vocabulary on first
+        use; None where it has no special tokens or a type whose `add_special` is not plain BOS/EOS."""
         if llama_cpp.llama_vocab_type(self._vocab) not in _BOS_EOS_TYPES:
             return None
         specials = []
