@@ -14,8 +14,9 @@ from kvserve.llama.special_cuts import SpecialCuts
 
 _SPECIAL = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
             | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)  # the tokens llama.cpp splits texts on
-# Vocabularies whose `add_special` means exactly BOS first (if wanted) and EOS last (if wanted).
-_BOS_EOS_TYPES = (llama_cpp.LLAMA_VOCAB_TYPE_SPM, llama_cpp.LLAMA_VOCAB_TYPE_BPE, llama_cpp.LLAMA_VOCAB_TYPE_UGM)
+# Vocabularies whose `add_special` means exactly BOS first (if wanted) and EOS last (if wanted),
+# and whose fragments tokenize independently (read and tested: SentencePiece, BPE).
+_BOS_EOS_TYPES = (llama_cpp.LLAMA_VOCAB_TYPE_SPM, llama_cpp.LLAMA_VOCAB_TYPE_BPE)
 
 
 class ModelLoadError(RuntimeError):
