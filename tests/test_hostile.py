@@ -129,6 +129,9 @@ CORPUS: dict[str, Case] = {
     "prompt-of-4-MiB": Case("/v1/completions", {"prompt": "hello " * (700 << 10), "max_tokens": 1}, "prompt"),
     "million-token-ids": Case("/v1/completions", {"prompt": [1] * 1_000_000, "max_tokens": 1}, "prompt"),
     "many-messages": Case(CHAT, chat(messages=[{"role": "user", "content": "hi"}] * 5_000), "messages"),
+    # special-token spellings: llama.cpp's own splitting on them is quadratic in their count
+    "many-tiny-messages": Case(CHAT, chat(messages=[{"role": "user", "content": "hi"}] * 100_000), "messages"),
+    "markers-in-content": Case(CHAT, chat(messages=[{"role": "user", "content": "<|im_start|>" * 200_000}]), "messages"),
     # text that JSON allows and UTF-8 cannot carry
     "surrogate-content": Case(CHAT, chat(messages=[{"role": "user", "content": SURROGATE}]), "messages[0].content"),
     "surrogate-part": Case(CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]),

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import llama_cpp
 
 from kvserve.llama.backend import ensure_backend
+from kvserve.llama.special_cuts import SpecialCuts
+
+_SPECIAL = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+            | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)  # the tokens llama.cpp splits texts on
+# Vocabularies whose `add_special` means exactly BOS first (if wanted) and EOS last (if wanted),
+# and whose fragments tokenize independently (read and tested: SentencePiece, BPE).
+_BOS_EOS_TYPES = (llama_cpp.LLAMA_VOCAB_TYPE_SPM, llama_cpp.LLAMA_VOCAB_TYPE_BPE)
 
 
 class ModelLoadError(RuntimeError):
@@ -52,6 +60,21 @@ class Model:
         self.bos = llama_cpp.llama_vocab_bos(self._vocab)
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
         self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.adds_eos = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
+
+    @cached_property
+    def _cuts(self) -> SpecialCuts | None:
+        """Where texts may be cut for tokenizing (see special_cuts), read from the vocabulary on first
+        use; None where it has no special tokens or a type whose `add_special` is not plain BOS/EOS."""
+        if llama_cpp.llama_vocab_type(self._vocab) not in _BOS_EOS_TYPES:
+            return None
+        specials = []
+        for token in range(self.info.n_vocab):
+            attr = llama_cpp.llama_vocab_get_attr(self._vocab, token)
+            if attr & _SPECIAL:
+                lstrip, rstrip = attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP, attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP
+                specials.append((llama_cpp.llama_vocab_get_text(self._vocab, token), bool(lstrip), bool(rstrip)))
+        return SpecialCuts.of(specials)
 
     @property
     def ptr(self) -> llama_cpp.llama_model_p:
@@ -67,8 +90,25 @@ class Model:
             self._ptr = None
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        """Tokens of `text`; `add_special` adds BOS where the model wants it."""
+        """Tokens of `text`, identical to one `llama_tokenize` call; `add_special` adds BOS where the
+        model wants it. With `parse_special`, a text holding many special spellings is tokenized in
+        pieces cut where llama.cpp's result cannot change (special_cuts): its own splitting is
+        quadratic in their count. Raises TooManySpecialTokens for a text no cut can divide."""
         data = text.encode("utf-8")
+        if not parse_special or self._cuts is None:
+            return self._tokenize(data, add_special, parse_special)
+        pieces = list(self._cuts.pieces(data))
+        if len(pieces) <= 1:
+            return self._tokenize(data, add_special, True)
+        tokens = [self.bos] if add_special and self.adds_bos else []
+        seen: dict[bytes, list[int]] = {}
+        for piece in pieces:
+            if piece not in seen:
+                seen[piece] = self._tokenize(piece, False, True)
+            tokens += seen[piece]
+        return tokens + [self.eos] if add_special and self.adds_eos else tokens
+
+    def _tokenize(self, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
         capacity = len(data) + 8
         buf = (llama_cpp.llama_token * capacity)()
         n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)

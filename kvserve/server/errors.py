@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.llama.special_cuts import TooManySpecialTokens
 from kvserve.server.schemas import ErrorResponse
 
 
@@ -149,6 +150,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return answer(request, APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(TooManySpecialTokens)
+    async def _specials(request: Request, exc: TooManySpecialTokens) -> JSONResponse:
+        return answer(request, invalid(f"the prompt cannot be tokenized: {exc}"))
 
     @app.exception_handler(json.JSONDecodeError)
     async def _json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
