@@ -1,4 +1,4 @@
-"""python -m bench [compare|sweep|cache-cost|attention|host-tier|serving|prefix|checkpoints|soak|embeddings]: each writes
+"""python -m bench [compare|sweep|attention|host-tier|serving|prefix|checkpoints|soak|embeddings]: each writes
 JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import argparse
 
-from bench import attention, cache_cost, checkpoints, compare, embeddings, host_tier, prefix, serving, soak, sweep
+from bench import attention, checkpoints, compare, embeddings, host_tier, prefix, serving, soak, sweep
 
 WORKLOADS = ["shared", "multiturn", "unique", "long", "conversations"]
 SERVERS = ["kvserve", "llama-server", "llama-server-defaults", "llama-cpp-python"]
-SUITES = ["compare", "sweep", "cache-cost", "attention", "host-tier", "serving", "prefix", "checkpoints", "soak", "embeddings"]
+SUITES = ["compare", "sweep", "attention", "host-tier", "serving", "prefix", "checkpoints", "soak", "embeddings"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("suite", nargs="?", default="compare", choices=SUITES)
     parser.add_argument("--quick", action="store_true",
-                        help="compare, sweep, cache-cost, embeddings: a smoke run (fewer rounds, points, tokens or texts)")
+                        help="compare, sweep, embeddings: a smoke run (fewer rounds, points, tokens or texts)")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, help="compare, sweep, embeddings: only these servers")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="compare: only these workloads")
     args = parser.parse_args()
@@ -33,8 +33,6 @@ def main() -> None:
         print(compare.main(args.quick, args.servers, args.workloads))
     elif args.suite == "sweep":
         print(sweep.main(args.quick, args.servers))
-    elif args.suite == "cache-cost":
-        print(cache_cost.main(args.quick))
     elif args.suite == "embeddings":
         print(embeddings.main(args.quick, args.servers))
     else:

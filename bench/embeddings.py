@@ -47,10 +47,11 @@ Command = Callable[[int], list[str]]  # port -> argv
 
 
 def servers(model: Path, threads: int, binary: Path) -> dict[str, Command]:
-    """port -> argv for each server: one context of 8 x 512 cells, mean pooling, 512-token batches."""
+    """port -> argv for each server: 8 x 512 cells (kvserve: 8 streams of 512; llama-server: -c 4096
+    over 8 slots), mean pooling, 512-token batches."""
     return {
         "kvserve": lambda port: kvserve_command(port=port, model=str(model), threads=threads, parallel=USERS,
-                                                ctx_size=USERS * 512, pooling="mean", embedding_batch=512),
+                                                ctx_size=512, pooling="mean", embedding_batch=512),
         "llama-server": lambda port: [
             str(binary), "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
             "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(USERS),

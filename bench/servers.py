@@ -34,12 +34,12 @@ def contenders(setup: Setup, llama_server: Path) -> list[Server]:
     """kvserve, llama-server (with -np as kvserve's slots, and at its defaults) and llama-cpp-python's
     server, each with its defaults otherwise."""
     model, threads = str(setup.model), str(setup.threads)
-    # kvserve and llama-server with -np share one context between their slots; llama-server's
-    # splits it evenly, so both get slots x the per-request context
+    # kvserve's --ctx-size is one request's context (a stream each); llama-server's -c is split
+    # evenly between its -np slots, so it gets slots x the per-request context
     total_ctx = str(setup.slots * setup.ctx_per_request)
     return [
         Server("kvserve", lambda port: kvserve_command(
-            port=port, model=model, threads=threads, parallel=setup.slots, ctx_size=total_ctx)),
+            port=port, model=model, threads=threads, parallel=setup.slots, ctx_size=str(setup.ctx_per_request))),
         Server("llama-server", lambda port: [
             str(llama_server), "--host", "127.0.0.1", "--port", str(port), "--model", model,
             "--threads", threads, "--threads-batch", threads, "--parallel", str(setup.slots),

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import attention, cache_cost, host_tier, sweep, workloads
+from bench import attention, host_tier, sweep, workloads
 from bench import embeddings as bench_embeddings
 from bench.client import Result, stream_chat
 from bench.report import markdown, targets
@@ -166,8 +166,8 @@ def test_every_server_gets_the_same_model_threads_and_context() -> None:
     assert {flag(n, "--model") for n in argv} == {"/m.gguf"}
     assert {flag(n, "--threads", "--n_threads") for n in argv} == {"3"}
     assert flag("llama-server", "--threads-batch") == flag("llama-cpp-python", "--n_threads_batch") == "3"
-    # kvserve's context is shared by its sequences, llama-server's split evenly between its 8 slots
-    assert flag("kvserve", "--ctx-size") == flag("llama-server", "--ctx-size") == str(8 * 4096)
+    # kvserve's context is one request's, llama-server's split evenly between its 8 slots
+    assert flag("kvserve", "--ctx-size") == "4096" and flag("llama-server", "--ctx-size") == str(8 * 4096)
     assert flag("kvserve", "--parallel") == flag("llama-server", "--parallel") == "8"
     assert flag("llama-cpp-python", "--n_ctx") == "4096"  # one request at a time
     assert flag("llama-cpp-python", "--interrupt_requests") == "False"
@@ -241,42 +241,6 @@ def test_sweep_refuses_servers_it_does_not_compare() -> None:
         sweep.main(quick=True, servers=["llama-cpp-python"])
 
 
-def test_cache_fill_reaches_the_cap_at_as_many_whole_pages_as_it_holds() -> None:
-    assert cache_cost.CacheFill(held_pages=64, page_rows=16, cap_cells=4096, cold_cap_cells=1024).reached_cap
-    assert not cache_cost.CacheFill(held_pages=63, page_rows=16, cap_cells=4096, cold_cap_cells=1024).reached_cap
-    # 65 would pass the cap
-    assert cache_cost.CacheFill(held_pages=64, page_rows=16, cap_cells=4096, cold_cap_cells=1025).reached_cap
-    assert not cache_cost.CacheFill(held_pages=0, page_rows=16, cap_cells=4096, cold_cap_cells=1024).reached_cap
-
-
-def cost_row(phase: str, cache: bool, tok_s: float) -> dict:
-    return {"phase": phase, "cache": cache, **row("kvserve", "unique", tok_s, 1.0, None)}
-
-
-def test_cache_cost_is_the_ratio_of_cache_on_to_off_in_each_phase() -> None:
-    rows = [cost_row("fresh", True, 9.8), cost_row("fresh", False, 10.0),
-            cost_row("steady", True, 9.7), cost_row("steady", False, 10.0)]
-    got = {phase: (round(r["ratio"], 3), r["met"]) for phase, r in cache_cost.ratios(rows).items()}
-    assert got == {"fresh": (0.98, True), "steady": (0.97, False)}
-    result = {"machine": MACHINE, "settings": {"model": "m.gguf"}, "traffic": asdict(cache_cost.Traffic()),
-              "warm_up_prompt_tokens": 9000, "rows": rows, "ratios": cache_cost.ratios(rows),
-              "cache_before_steady": asdict(cache_cost.CacheFill(64, 16, 4096, 1024))}
-    text = cache_cost.markdown(result)
-    assert "the cache held 64 pages x 16 rows: its cap for pages nobody reused, 1024 cells of 4096" in text
-    assert "| steady | on | 9.7 |" in text and "| steady | 0.970 | **no** |" in text
-
-
-def test_cache_cost_measures_a_full_cache_end_to_end(tiny, tmp_path: Path) -> None:
-    traffic = cache_cost.Traffic(users=2, rounds=1, max_tokens=4)
-    result = cache_cost.run(tiny("llama"), traffic, tmp_path, threads=1, parallel=4, ctx_size=4096,
-                            prefix_cache_cells=1024)
-    assert [(r["phase"], r["cache"], r["errors"]) for r in result["rows"]] == [
-        ("fresh", True, 0), ("fresh", False, 0), ("steady", True, 0), ("steady", False, 0)]
-    assert all(r["output_tok_s"] > 0 for r in result["rows"]) and set(result["ratios"]) == {"fresh", "steady"}
-    assert result["warm_up_prompt_tokens"] >= cache_cost.WARM_UP_FILL * 1024
-    for fill in (result["cache_before_steady"], result["cache_after_steady"]):
-        assert fill["cap_cells"] == 1024 and cache_cost.CacheFill(**fill).reached_cap, fill
-
 
 def test_attention_times_each_call_in_both_kv_layouts(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"SEQUENCES": 2, "PROMPT_TOKENS": 40, "PROMPT_CHUNK": 70, "REPEATS": 1}.items():
@@ -314,9 +278,10 @@ def test_embedding_servers_get_the_same_model_threads_batch_and_pooling() -> Non
     def flag(name: str, key: str) -> str:
         return argv[name][argv[name].index(key) + 1]
 
-    for key, value in (("--model", "/m.gguf"), ("--threads", "3"), ("--pooling", "mean"), ("--parallel", "8"),
-                       ("--ctx-size", str(8 * 512))):
+    for key, value in (("--model", "/m.gguf"), ("--threads", "3"), ("--pooling", "mean"), ("--parallel", "8")):
         assert flag("kvserve", key) == flag("llama-server", key) == value
+    # kvserve's --ctx-size is one request's stream, llama-server's is split between its slots
+    assert flag("kvserve", "--ctx-size") == "512" and flag("llama-server", "--ctx-size") == str(8 * 512)
     # the longest input each embeds: kvserve's embedding batch, llama-server's physical batch
     assert flag("kvserve", "--embedding-batch") == flag("llama-server", "--ubatch-size") == "512"
     assert "--embeddings" in argv["llama-server"]

@@ -107,7 +107,9 @@ def test_cached_prefix_answers_as_llama_cpp_without_flash_attention(gemma3: Path
         cached = _served(url, prompts)
     with serve(gemma3, ctx_size=8192, batch_size=BATCH, prefix_cache=False) as url:
         alone = _served(url, prompts)
-    assert all(hit >= PREFIX_TOKENS - 16 for _, hit in cached[1:]), "later requests attach the cached prefix"
+    # No assertion on how much later requests attach: with a stream per sequence, pages of a
+    # sliding-window model that lack the window's rows before their end are refused (the prompt is
+    # evaluated instead), never guessed; what must hold, attached or not, is the equality below.
     for i, (prompt, (on, hit), (off, _)) in enumerate(zip(prompts, cached, alone)):
         whole = _reference(gemma_model, prompt, 0)
         _assert_close(off, whole, LOGPROB_TOLERANCE, f"tail {i}, no prefix cache")

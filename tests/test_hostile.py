@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from kvserve.config import Settings
 from kvserve.server.schemas import MAX_N, MAX_TOP_LOGPROBS
 from kvserve.testing import ServerProcess, read_metrics, wait_until
 from kvserve.tools.schema_budget import MAX_ALTERNATIVES, MAX_REPEAT, MAX_TOOLS
@@ -26,7 +27,8 @@ from kvserve.tools.schema_budget import MAX_ALTERNATIVES, MAX_REPEAT, MAX_TOOLS
 GiB = 1 << 30
 RSS_MARGIN = 2 * GiB  # over the idle server's RSS: the bound no single request may push it past
 REQUEST_SECONDS = 60.0  # each answer's bound (status and body; a stream's first event), on a busy 2-core box
-CTX = 16384  # the default --ctx-size: max_tokens at its cap
+CTX = Settings.model_fields["ctx_size"].default  # the default --ctx-size: max_tokens at its cap
+PARALLEL = Settings.model_fields["parallel"].default  # the default --parallel: the most choices at once
 
 SCHEMA = "response_format.json_schema.schema"
 OK = "2xx"
@@ -116,11 +118,12 @@ CORPUS: dict[str, Case] = {
     "responses-maxItems": Case("/v1/responses", {"input": "hi", "max_output_tokens": 8, "text": {"format": {
         "type": "json_schema", "name": "x", "schema": ints(maxItems=BIG)}}}, "text.format"),
     # n x max_tokens x top_logprobs at their caps
-    "caps-streamed": Case(CHAT, chat(n=MAX_N, max_tokens=CTX, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS,
+    # n at the most the default server runs at once: one stream per choice (n up to MAX_N needs --parallel that high)
+    "caps-streamed": Case(CHAT, chat(n=PARALLEL, max_tokens=CTX, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS,
                                      stream=True), OK, stream=True),
-    "caps-completions-streamed": Case("/v1/completions", {"prompt": "hi", "n": MAX_N, "max_tokens": CTX,
+    "caps-completions-streamed": Case("/v1/completions", {"prompt": "hi", "n": PARALLEL, "max_tokens": CTX,
                                                           "logprobs": MAX_TOP_LOGPROBS, "stream": True}, OK, stream=True),
-    "caps-whole": Case(CHAT, chat(n=MAX_N, max_tokens=4, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS), OK),
+    "caps-whole": Case(CHAT, chat(n=PARALLEL, max_tokens=4, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS), OK),
     "n-past-the-cap": Case(CHAT, chat(n=MAX_N + 1), "n"),
     # stop strings, biases, prompts: many or long
     "too-many-stops": Case(CHAT, chat(stop=[f"s{i}" for i in range(17)]), "stop"),

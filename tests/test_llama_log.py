@@ -30,11 +30,12 @@ def test_each_message_keeps_its_llama_cpp_level(smollm2: Path, tmp_path: Path, c
 
 
 def test_default_start_logs_no_error(tmp_path: Path) -> None:
-    """SmolLM2 in 16,384 cells: more than its 8,192-token training context, which llama.cpp warns
-    about (kvserve caps each sequence at the training context); nothing is wrong."""
+    """SmolLM2 at the defaults: llama.cpp may warn only that mean pooling (what kvserve's embeddings
+    use for a model that declares none) differs from the model's own; nothing else, no error."""
     with ServerProcess.kvserve(tmp_path / "kvserve.log", log_format="json") as server:
         server.wait_healthy()
     records = [json.loads(line) for line in server.log.read_text().splitlines()]
     assert [r for r in records if r["level"] in ("ERROR", "CRITICAL")] == []
     llama = [(r["level"], r["message"]) for r in records if r["logger"] == "kvserve.llama"]
-    assert len(llama) == 1 and llama[0][0] == "WARNING" and "n_ctx_train (8192)" in llama[0][1], llama
+    assert all(level == "WARNING" and "pooling_type is [-1], but [1] was specified" in message
+               for level, message in llama), llama

@@ -211,13 +211,13 @@ def test_scheduler_attaches_and_matches_scratch(tiny, smollm2, which: str) -> No
     with engine(path) as e:
         first = greedy(prompts[0], max_tokens=6)
         assert run(e, [first])[first.id] == scratch[0]
-        assert first.cached_tokens == 0
+        assert first.state.cached_tokens == 0
         rest = [greedy(p, max_tokens=6) for p in prompts[1:]]
         outs = run(e, rest)
         assert [outs[r.id] for r in rest] == scratch[1:]
         shared = next(i for i, (x, y) in enumerate(zip(prompts[0], prompts[1])) if x != y)
         # the first takes the stream the first prompt left in place; the others attach its pages
-        assert [r.cached_tokens for r in rest] == [shared] + [shared // PAGE * PAGE] * 2
+        assert [r.state.cached_tokens for r in rest] == [shared] + [shared // PAGE * PAGE] * 2
         assert e.pool.inplace_reuses == 1
 
 
@@ -233,7 +233,7 @@ def test_a_flood_of_conversations_keeps_the_byte_budget_exactly(tiny) -> None:
         while e.scheduler.has_work():
             e.scheduler.step()
             assert cache.bytes_used <= cache.budget_bytes == int(0.1 * 2**20)
-        assert all(r.finished for r in requests)
+        assert all(r.state.finished for r in requests)
         assert cache.stats().evicted_pages > 0 and cache.bytes_used > cache.budget_bytes // 2
         assert e.scheduler.snapshot.live_sessions == 0
         cache.release()
@@ -296,7 +296,7 @@ def test_users_arriving_together_compute_their_shared_prefix_once(tiny) -> None:
         outs = run(e, requests)
         assert [outs[r.id] for r in requests] == alone
         assert requests[0].cached_tokens == 0
-        assert all(r.cached_tokens == shared // PAGE * PAGE for r in requests[1:])
+        assert all(r.state.cached_tokens == shared // PAGE * PAGE for r in requests[1:])
 
 
 def test_n_choices_fork_by_copying_the_prompt_stream(tiny) -> None:

@@ -133,18 +133,14 @@ class Context:
         ptr = llama_cpp.llama_get_logits_ith(self._ptr, index)
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
 
-    # one stream shared by every sequence: only for bench/attention.py's comparison, and contexts
-    # whose sequences live only for one batch (embeddings, the flash-attention probe)
-    unified: bool = False
-    # an embedding context: every token is output and pooled per sequence by `pooling` (a
-    # LLAMA_POOLING_TYPE_*); a sequence must then fit in one ubatch, since llama.cpp pools per ubatch
-    embeddings: bool = False
-    pooling: int = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
+    def seq_embedding(self, seq: int) -> np.ndarray:
+        """A copy of the pooled embedding of `seq` from the last decode (an embedding context's)."""
+        ptr = llama_cpp.llama_get_embeddings_seq(self._ptr, seq)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp has no pooled embedding for sequence {seq}")
+        return np.ctypeslib.as_array(ptr, shape=(llama_cpp.llama_model_n_embd_out(self.model.ptr),)).copy()
 
-    @property
-    def n_ctx(self) -> int:
-        """llama.cpp's n_ctx: every stream's cells together."""
-        return self.n_ctx_seq * (1 if self.unified else self.n_seq_max)
+    # -- memory: a stream per sequence ----------------------------------------------------------------
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         """Forget positions [p0, p1) of `seq`; False when a recurrent state would be cut."""

@@ -91,13 +91,23 @@ class EmbedderConfig:
 class Embedder:
     def __init__(self, model: Model, config: EmbedderConfig) -> None:
         self.config = config
-        n_seq = min(MAX_SEQUENCES_PER_BATCH, config.batch_tokens)
-        self.ctx = Context(model, ContextParams(
-            n_ctx_seq=config.batch_tokens, unified=True, n_batch=config.batch_tokens, n_ubatch=config.batch_tokens, n_seq_max=n_seq,
-            n_threads=config.n_threads, flash_attn="off", embeddings=True, pooling=POOLING[config.pooling]))
+        self._model = model
+        self._ctx: Context | None = None  # made at the first embedding: a server that embeds nothing pays nothing
         self.dimensions = llama_cpp.llama_model_n_embd_out(model.ptr)
         self._batch = Batch(config.batch_tokens)
         self._jobs: deque[EmbeddingJob] = deque()  # appended by any thread, popped by the engine thread
+
+    @property
+    def ctx(self) -> Context:
+        """The embedding context (engine thread only), made on first use."""
+        if self._ctx is None:
+            n_seq = min(MAX_SEQUENCES_PER_BATCH, self.config.batch_tokens)
+            tokens = self.config.batch_tokens
+            self._ctx = Context(self._model, ContextParams(
+                n_ctx_seq=tokens, unified=True, n_batch=tokens, n_ubatch=tokens, n_seq_max=n_seq,
+                n_threads=self.config.n_threads, flash_attn="off", embeddings=True,
+                pooling=POOLING[self.config.pooling]))
+        return self._ctx
 
     # -- any thread ---------------------------------------------------------------------------------
 
@@ -142,7 +152,8 @@ class Embedder:
     def close(self) -> None:
         self.fail_all("the server is shutting down")
         self._batch.close()
-        self.ctx.close()
+        if self._ctx is not None:
+            self._ctx.close()
 
     def _drop_ended(self) -> bool:
         """Forget jobs done or cancelled; fail those that waited past the queue timeout unstarted."""
