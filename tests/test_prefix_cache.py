@@ -295,7 +295,7 @@ def test_users_arriving_together_compute_their_shared_prefix_once(tiny) -> None:
         requests = [greedy(p, max_tokens=6) for p in prompts]
         outs = run(e, requests)
         assert [outs[r.id] for r in requests] == alone
-        assert requests[0].cached_tokens == 0
+        assert requests[0].state.cached_tokens == 0
         assert all(r.state.cached_tokens == shared // PAGE * PAGE for r in requests[1:])
 
 
@@ -328,9 +328,9 @@ def test_a_conversations_next_turn_continues_in_its_stream(tiny) -> None:
         prompt2 = turn1.prompt + answer + e.model.tokenize(" Second question?", add_special=False)
         turn2 = greedy(prompt2, max_tokens=6)
         in_place = run(e, [turn2])[turn2.id]
-        assert turn2.cached_tokens == len(turn1.prompt) + len(answer) - 1
+        assert turn2.state.cached_tokens == len(turn1.prompt) + len(answer) - 1
         assert e.scheduler.snapshot.inplace_reuses == 1
-        assert e.scheduler.snapshot.inplace_tokens == turn2.cached_tokens
+        assert e.scheduler.snapshot.inplace_tokens == turn2.state.cached_tokens
     with engine(path, prefix_cache=False) as e:
         scratch = greedy(prompt2, max_tokens=6)
         assert run(e, [scratch])[scratch.id] == in_place
