@@ -108,8 +108,10 @@ def test_small_token_budget_chunks_prompts_alongside_decodes(tiny, arch: str, fl
 def test_prompts_joining_decodes_in_one_call_like_alone(tiny, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step is one llama_decode, decodes and long prompt chunks together: each sequence has its own
     stream, and llama.cpp splits the batch by stream itself; a parallel limit of 3 makes long
-    prompts join while others decode."""
+    prompts join while others decode. Its tokens go in sequence-id order, for llama.cpp puts
+    sequences into one ubatch only while their ids run consecutively."""
     calls_per_step: list[int] = []
+    seq_orders: list[list[int]] = []
     real_step, real_decode = Scheduler.step, Context.decode
 
     def counting_step(self: Scheduler):
@@ -117,13 +119,18 @@ def test_prompts_joining_decodes_in_one_call_like_alone(tiny, arch: str, monkeyp
         return real_step(self)
 
     def counting_decode(self: Context, batch) -> None:
+        if not calls_per_step:  # the flash-attention self-check at load, before any step
+            return real_decode(self, batch)
         calls_per_step[-1] += 1
+        seq_orders.append([batch.raw.seq_id[i][0] for i in range(batch.n_tokens)])
         real_decode(self, batch)
 
     monkeypatch.setattr(Scheduler, "step", counting_step)
     monkeypatch.setattr(Context, "decode", counting_decode)
     alone, together = alone_and_together(tiny(arch), 16, LONG_PROMPTS, parallel=3, flash_attn="on")
     assert max(calls_per_step) == 1
+    assert all(order == sorted(order) for order in seq_orders)
+    assert any(len(set(order)) > 1 for order in seq_orders)  # steps did carry several sequences
     assert_all_like_alone(alone, together, "on")
 
 

@@ -155,7 +155,9 @@ class Scheduler:
         """Decode the planned batch, record what it evaluated, then sample where a sequence's known
         tokens end. False: it evaluated nothing."""
         self._batch.clear()
-        for slot in slots:
+        # in sequence-id order: llama.cpp puts sequences into one ubatch only while their ids run
+        # consecutively, and each ubatch more reads every weight again
+        for slot in sorted(slots, key=lambda s: s.choice.session.seq):
             slot.add_to(self._batch)
         if not self._decode(slots, outputs):
             return False
