@@ -11,7 +11,9 @@ Invariants:
   prefill (stall-free batching, as Sarathi-Serve's);
 - choice 0's prefill stops at each of its request's checkpoints, where a recurrent state can be saved;
 - a step is one `llama_decode`: each sequence has its own stream, and llama.cpp splits the batch
-  into per-stream ubatches itself, so a decode token never attends over another sequence's cells.
+  into per-stream ubatches itself, so a decode token never attends over another sequence's cells;
+  the scheduler adds a step's tokens in sequence-id order, for llama.cpp keeps sequences in one
+  ubatch only while their ids run consecutively.
 """
 
 from __future__ import annotations
