@@ -191,6 +191,26 @@ def test_a_stream_keeps_its_rows_for_the_next_turn(tiny) -> None:
     model.close()
 
 
+def test_new_sessions_keep_live_streams_in_a_run(tiny) -> None:
+    """A session with nothing to continue takes the idle stream beside live ones, even over an empty
+    one: llama.cpp puts sequences into one ubatch only while their ids run consecutively."""
+    model = Model(tiny("llama"))
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=6)
+    prompt = model.tokenize(SYSTEM, add_special=True)
+    sessions = [pool.new_session() for _ in range(4)]
+    assert [s.seq for s in sessions] == [0, 1, 2, 3]  # empty streams from the first
+    pool.eval(sessions[1], prompt)
+    pool.end_session(sessions[1])  # stream 1 keeps its rows, streams 4 and 5 are empty
+    fresh = pool.new_session([9, 9, 9])
+    assert fresh.seq == 1 and fresh.n_past == 0  # the gap is filled; its rows went
+    assert _positions(pool, fresh) == (-1, -1)
+    for s in (sessions[0], fresh, sessions[2], sessions[3]):
+        pool.end_session(s)
+    cache.release()
+    pool.close()
+    model.close()
+
+
 # -- inside the scheduler --------------------------------------------------------------------------
 
 

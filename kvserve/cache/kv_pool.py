@@ -173,13 +173,18 @@ class StreamPool:
 
     def new_session(self, tokens: list[int] | None = None) -> Session:
         """A session in the idle stream that holds the longest prefix of `tokens` (kept in place),
-        else in an empty stream, else in the least recently used idle one (whose rows go)."""
+        else in the idle stream beside the most live ones, then an empty one, then the least
+        recently used (whose rows go; pages the prefix cache took of them stay). Live ids in runs matter
+        more than those rows: llama.cpp puts sequences into one ubatch only while their ids run
+        consecutively, and each ubatch reads every weight again."""
         stream, n = self._best(tokens) if tokens and self.reuse else (None, 0)
         if stream is None:
             idle = [s for s in self.streams if s.session is None]
             if not idle:
                 raise PoolExhausted("every stream runs a sequence")
-            stream = min(idle, key=lambda s: (bool(s.resident), s.last_used))
+            live = {s.seq for s in self.streams if s.session is not None}
+            stream = min(idle, key=lambda s: (-((s.seq - 1 in live) + (s.seq + 1 in live)),
+                                              bool(s.resident), s.last_used))
         session = Session(seq=stream.seq)
         if n:
             self.ctx.seq_rm(stream.seq, n, -1)
