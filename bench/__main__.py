@@ -4,9 +4,10 @@ JSON and Markdown to bench/results/.
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
 kvserve next to llama-server over 1 to 32 users and prompts of 256 to 4,096 tokens; attention times
 raw llama_decode calls in a unified KV cache against a stream per sequence (kvserve's layout, and
-why it is); host-tier times copying a prefix's KV rows to host memory and back against prefilling it. The others are the earlier
-kvserve-only suites whose numbers docs/benchmarks.md quotes; soak serves thousands of requests and charts
-kvserve's resident memory; embeddings puts kvserve's /v1/embeddings per second next to llama-server's.
+why it is); host-tier times copying a prefix's KV rows to host memory and back against prefilling
+it. The others are the earlier kvserve-only suites whose numbers docs/benchmarks.md quotes; soak
+serves thousands of requests and charts kvserve's resident memory; embeddings puts kvserve's
+/v1/embeddings per second next to llama-server's.
 """
 
 from __future__ import annotations
