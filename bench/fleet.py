@@ -3,7 +3,7 @@
 The shared-prompt workload with four system prompts: four support desks, each with its own
 ~550-token handbook (they differ from the first word); USERS_PER_DESK users per desk ask ROUNDS
 questions one after another, all users at once. Each replica's page cache keeps about two
-handbooks (--prefix-cache-mb 30: 80 pages of 23 KiB rows, a handbook is 35), the situation a fleet is for:
+handbooks (--prefix-state-mb 30: 80 pages of 23 KiB rows, a handbook is 35), the situation a fleet is for:
 a router that sends each desk to one replica lets the two caches together hold all four, while
 one that spreads every desk over both makes each cache cycle through all four. Each policy gets
 fresh replicas of SmolLM2-135M, one llama.cpp thread each.
@@ -34,7 +34,7 @@ USERS_PER_DESK = 2
 ROUNDS = 4
 MAX_TOKENS = 16
 # bench.client asks for model "bench"; smg routes on that name, so every replica serves it.
-REPLICA_SETTINGS = {"model_alias": "bench", "threads": 1, "parallel": 8, "ctx_size": 2048, "prefix_cache_mb": 30}
+REPLICA_SETTINGS = {"model_alias": "bench", "threads": 1, "parallel": 8, "ctx_size": 2048, "prefix_state_mb": 30}
 POLICIES = ("cache_aware", "round_robin")
 
 

@@ -21,20 +21,12 @@ def embedded_model_path() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
-# llama-server keeps up to this much of prompts' state in host memory by default (--cache-ram).
-LLAMA_SERVER_CACHE_RAM_MB = 8192
-
-
-def _quarter_of_ram_mb() -> int:
+def default_budget_mb() -> int:
+    """The default of `--prefix-state-mb`: a quarter of the machine's RAM."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (4 * 1024 * 1024)
     except (ValueError, OSError):
         return 1024
-
-
-def default_budget_mb() -> int:
-    """A default for `--prefix-cache-mb`: llama-server's 8 GiB, or a quarter of RAM where that is less."""
-    return min(LLAMA_SERVER_CACHE_RAM_MB, _quarter_of_ram_mb())
 
 
 class Settings(BaseSettings):
@@ -69,10 +61,12 @@ class Settings(BaseSettings):
         512, ge=16, description="tokens per embedding decode, and the most one /v1/embeddings input may have"
     )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
-    prefix_cache_mb: float = Field(
+    prefix_state_mb: float = Field(
         default_budget_mb(), ge=0,
-        description="host memory for cached pages and checkpoints, in MiB (default: a quarter of RAM, at most 8192)",
+        description="the prefix cache's one budget: host memory for cached pages and checkpoints, in MiB "
+        "(default: a quarter of RAM)",
     )
+    prefix_cache_mb: float | None = Field(None, ge=0, description="alias of --prefix-state-mb")
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")
     response_store_count: int = Field(1024, ge=0, description="most responses kept for previous_response_id (0: none)")
@@ -99,6 +93,15 @@ class Settings(BaseSettings):
         if value is not None and not value.is_file():
             raise ValueError(f"file not found: {value}")
         return value
+
+    @model_validator(mode="after")
+    def _budget_alias(self) -> "Settings":
+        alias = self.prefix_cache_mb
+        if alias is not None:
+            if "prefix_state_mb" in self.model_fields_set and alias != self.prefix_state_mb:
+                raise ValueError("--prefix-cache-mb is an alias of --prefix-state-mb: give one of them")
+            self.prefix_state_mb = alias
+        return self
 
     @model_validator(mode="after")
     def _default_model(self) -> "Settings":

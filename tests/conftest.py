@@ -61,7 +61,7 @@ def tiny(tiny_dir: Path):
 
 
 def settings(model: Path, **overrides) -> Settings:
-    base = dict(model=model, ctx_size=4096, parallel=8, batch_size=256, threads=2, prefix_cache_mb=64)
+    base = dict(model=model, ctx_size=4096, parallel=8, batch_size=256, threads=2, prefix_state_mb=64)
     return Settings(**{**base, **overrides})
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.testing import kvserve_command
+from kvserve.testing import free_port, kvserve_command
 
 
 @pytest.mark.parametrize("args, says", [
@@ -48,3 +48,28 @@ def test_kvserve_command_spells_settings_as_the_flags_they_parse_from(tmp_path: 
     assert parsed.host == "127.0.0.1" and parsed.metrics_compat is None
     with pytest.raises(TypeError, match="ctx"):
         kvserve_command(ctx=4096)
+
+
+def test_prefix_state_mb_is_the_budget_and_prefix_cache_mb_its_alias(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.config import Settings
+
+    assert Settings(_cli_parse_args=["--prefix-state-mb", "1"]).prefix_state_mb == 1
+    assert Settings(_cli_parse_args=["--prefix-cache-mb", "3"]).prefix_state_mb == 3
+    monkeypatch.setenv("KVSERVE_PREFIX_STATE_MB", "5")
+    assert Settings(_cli_parse_args=[]).prefix_state_mb == 5
+    assert Settings(_cli_parse_args=["--prefix-state-mb", "7"]).prefix_state_mb == 7  # flags win
+    with pytest.raises(ValueError, match="alias"):
+        Settings(_cli_parse_args=["--prefix-state-mb", "1", "--prefix-cache-mb", "2"])
+
+
+def test_prefix_state_mb_reaches_server_info(tmp_path: Path) -> None:
+    """`kvserve --prefix-state-mb 1` once exited 2: the design's flag must start a server with that budget."""
+    import httpx
+
+    from kvserve.testing import ServerProcess
+
+    command = [sys.executable, "-m", "kvserve", "--prefix-state-mb", "1", "--parallel", "2", "--ctx-size", "512"]
+    port = free_port()
+    with ServerProcess([*command, "--port", str(port)], port, tmp_path / "kvserve.log") as server:
+        server.wait_healthy()
+        assert httpx.get(f"{server.url}/server_info").json()["cache"]["prefix_state_bytes"] == 1024 * 1024

@@ -22,7 +22,7 @@ CACHE_MB = 1
 
 def test_memory_is_flat_after_warm_up(tiny, tmp_path) -> None:
     with ServerProcess.kvserve(tmp_path / "kvserve.log", model=tiny("llama"), threads=1, parallel=8, ctx_size=2048,
-                               prefix_cache_mb=CACHE_MB) as server:
+                               prefix_state_mb=CACHE_MB) as server:
         server.wait_healthy()
         url = server.url
         run = SoakRun()

@@ -244,7 +244,7 @@ def test_scheduler_attaches_and_matches_scratch(tiny, smollm2, which: str) -> No
 def test_a_flood_of_conversations_keeps_the_byte_budget_exactly(tiny) -> None:
     """60 distinct conversations, 8 at a time, donate many times what 0.1 MiB holds: the cache
     evicts, never holds a byte over its budget at any step, and lets go of every page once released."""
-    with engine(tiny("llama"), ctx_size=512, parallel=8, batch_size=128, prefix_cache_mb=0.1) as e:
+    with engine(tiny("llama"), ctx_size=512, parallel=8, batch_size=128, prefix_state_mb=0.1) as e:
         cache = e.cache
         requests = [greedy(e.model.tokenize(f"Conversation {i}: " + "words and more words " * 12, add_special=True),
                            max_tokens=4) for i in range(60)]

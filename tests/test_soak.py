@@ -16,7 +16,7 @@ CONCURRENCY = 32
 
 
 def test_soak_leaks_nothing(tiny) -> None:
-    with served(tiny("llama"), threads=1, parallel=8, ctx_size=2048, prefix_cache_mb=1) as (url, app):
+    with served(tiny("llama"), threads=1, parallel=8, ctx_size=2048, prefix_state_mb=1) as (url, app):
         outcomes = asyncio.run(soak(url, N_REQUESTS, CONCURRENCY, seed=7))
         print(f"\nsoak: {N_REQUESTS} requests, outcomes {dict(outcomes)}")
         assert set(outcomes) <= {"ok", "cancelled"}, outcomes

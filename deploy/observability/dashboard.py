@@ -146,13 +146,13 @@ SECTIONS = (
         Graph("Prefill saved", "Prompt tokens per second attached from the cache: tokens llama.cpp did not "
               "have to prefill.", TOKENS_PER_SECOND,
               (Query(by_instance(rate("kvserve_prefix_cache_hit_tokens_total")), "{{instance}}"),)),
-        Graph("Host memory against --prefix-cache-mb",
+        Graph("Host memory against --prefix-state-mb",
               "Bytes of host memory the prefix cache's pages and checkpoints take against its budget; set the "
-              "variable prefix_cache_mb to the replicas' --prefix-cache-mb.", "bytes",
+              "variable prefix_state_mb to the replicas' --prefix-state-mb.", "bytes",
               (Query(by_instance(selector("kvserve_prefix_cache_held_bytes")), "held {{instance}}"),
-               Query("$prefix_cache_mb * 1024 * 1024", "--prefix-cache-mb"))),
+               Query("$prefix_state_mb * 1024 * 1024", "--prefix-state-mb"))),
         Graph("Evictions", "Pages per second the cache gave back for room. A steady rate means the hot "
-              "prefixes outgrow --prefix-cache-mb.", "suffix: pages/s",
+              "prefixes outgrow --prefix-state-mb.", "suffix: pages/s",
               (Query(by_instance(rate("kvserve_prefix_cache_evicted_pages_total")), "{{instance}}"),)),
         Graph("KV cache usage", "Share of the streams' KV cells in use, every stream together (a finished "
               "conversation's stream keeps its rows for its next turn until the stream is needed).", "percentunit",
@@ -160,7 +160,7 @@ SECTIONS = (
     )),
     Section("Recurrent-state checkpoints (models that carry state: Mamba, LFM2, hybrids)", (
         Graph("Checkpoint bytes", "Bytes of recurrent-state checkpoints, kept in the prefix cache's host "
-              "memory under --prefix-cache-mb beside its pages.", "bytes",
+              "memory under --prefix-state-mb beside its pages.", "bytes",
               (Query(by_instance(selector("kvserve_prefix_state_bytes")), "held {{instance}}"),)),
         Graph("Checkpoints by kind", "opening: the end of a shared prompt head (system prompt); "
               "conversation: where a finished turn ended, for the conversation's next turn.", "short",
@@ -222,7 +222,7 @@ def build() -> Dashboard:
         .with_variable(_query_variable("instance", "label_values(kvserve_requests_running, instance)", "Replica"))
         .with_variable(_query_variable(
             "model_name", 'label_values(vllm:num_requests_running{instance=~"$instance"}, model_name)', "Model"))
-        .with_variable(_setting("prefix_cache_mb", "8192", "the replicas' --prefix-cache-mb"))
+        .with_variable(_setting("prefix_state_mb", "8192", "the replicas' --prefix-state-mb"))
     )
     panel_id = 0
     for section in SECTIONS:

@@ -87,7 +87,7 @@ class PageCache(PrefixCache):
         return self.store.budget_bytes
 
     def caps(self) -> dict:
-        return {"prefix_cache_bytes": self.store.budget_bytes}
+        return {"prefix_state_bytes": self.store.budget_bytes}
 
     # -- lookup -------------------------------------------------------------------------------------
 

@@ -80,7 +80,7 @@ class StateCache(PrefixCache):
         return self.store.budget_bytes
 
     def caps(self) -> dict:
-        return {"prefix_cache_bytes": self.store.budget_bytes, "prefix_states": self.max_states}
+        return {"prefix_state_bytes": self.store.budget_bytes, "prefix_states": self.max_states}
 
     # -- lookup -------------------------------------------------------------------------------------
 

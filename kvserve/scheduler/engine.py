@@ -49,12 +49,12 @@ class Engine:
             model, settings.page_rows, n_ctx_seq=settings.ctx_size, n_streams=settings.parallel,
             n_batch=settings.batch_size, n_threads=settings.threads,
             flash_attn="on" if attention.enabled else "off",
-            enabled=settings.prefix_cache, budget_bytes=int(settings.prefix_cache_mb * MIB),
+            enabled=settings.prefix_cache, budget_bytes=int(settings.prefix_state_mb * MIB),
             max_states=settings.prefix_states,
         )
         ctx = pool.ctx
         _log.info("KV: %d streams of %d cells, %.0f MiB; prefix cache: %s in up to %g MiB of host memory",
-                  pool.n_streams, pool.n_ctx_seq, ctx.kv_bytes / MIB, cache.keeps, settings.prefix_cache_mb)
+                  pool.n_streams, pool.n_ctx_seq, ctx.kv_bytes / MIB, cache.keeps, settings.prefix_state_mb)
         config = SchedulerConfig(
             max_running=settings.parallel,
             token_budget=settings.batch_size,
