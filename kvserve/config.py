@@ -83,6 +83,12 @@ class Settings(BaseSettings):
     )
     max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
+    speculative: Literal["off", "auto", "ngram", "tree", "draft"] = Field(
+        "off", description="speculative decoding: auto picks drafters (a request's prediction, the prefix tree, "
+        "n-grams of its own text) and draft lengths from measured acceptance and step cost; ngram and tree draft "
+        "from one source always; draft (a draft model) is not served yet"
+    )
+    draft_max: int = Field(8, ge=1, le=64, description="most draft tokens per sequence and step")
     metrics_compat: Literal["vllm"] | None = Field(
         None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
     )
@@ -101,6 +107,12 @@ class Settings(BaseSettings):
             if "prefix_state_mb" in self.model_fields_set and alias != self.prefix_state_mb:
                 raise ValueError("--prefix-cache-mb is an alias of --prefix-state-mb: give one of them")
             self.prefix_state_mb = alias
+        return self
+
+    @model_validator(mode="after")
+    def _no_draft_model(self) -> "Settings":
+        if self.speculative == "draft":
+            raise ValueError("--speculative draft (a draft model) is not served yet: use auto, ngram or tree")
         return self
 
     @model_validator(mode="after")

@@ -62,6 +62,26 @@ class PageTree:
             path.append(node)
         return path
 
+    def continuation(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed `tokens` in a donated sequence: the rest of the page that
+        `tokens` ends inside, then whole pages, taking the most reused child where donations went
+        different ways. Empty when no page holds `tokens`' partial last page. Touches nothing."""
+        rows = self.page_rows
+        path = self.match(tokens)
+        node = path[-1] if path else self.root
+        if len(path) < len(tokens) // rows:
+            return []
+        partial = tuple(tokens[len(path) * rows :])
+        out: list[int] = []
+        while len(out) < k:
+            children = [c for key, c in node.children.items() if key[: len(partial)] == partial]
+            if not children:
+                break
+            node = max(children, key=lambda c: c.hits)
+            out.extend(node.key[len(partial) :])
+            partial = ()
+        return out[:k]
+
     def add_child(self, parent: PageNode, key: tuple[int, ...], chain_id: int) -> PageNode:
         node = PageNode(key=key, parent=parent, depth=parent.depth + 1, chain_id=chain_id)
         parent.children[key] = node

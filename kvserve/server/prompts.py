@@ -217,14 +217,19 @@ async def chat_job(engine: Engine, body: ChatCompletionRequest) -> tuple[Request
     prompt = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body)
     params = await asyncio.to_thread(chat_sampling, engine.model, body, prompt.tools)  # grammars: off the loop
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    prediction = body.prediction.text if body.prediction is not None else ""
+    predicted = await asyncio.to_thread(
+        lambda: engine.model.tokenize(prediction, add_special=False, parse_special=False)) if prediction else []
     job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl", "messages",
-                        marks=prompt.marks, special_text=prompt.tools is not None and prompt.tools.special_text)
+                        marks=prompt.marks, special_text=prompt.tools is not None and prompt.tools.special_text,
+                        prediction=predicted)
     return job, prompt.tools
 
 
 def build_request(
     prompt: list[int], body: Sampling, params: SamplingParams, logprobs: int | None, limits: SchedulerConfig,
     prefix: str, param: str, marks: list[Mark] | None = None, special_text: bool = False,
+    prediction: list[int] | None = None,
 ) -> Request:
     """The request for `prompt`; a prompt that is empty or leaves no room is a 400 naming `param`,
     the field of the body that holds it."""
@@ -247,4 +252,5 @@ def build_request(
         ignore_eos=body.ignore_eos,
         marks=marks or [],
         special_text=special_text,
+        prediction=prediction or [],
     )

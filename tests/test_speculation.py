@@ -1,0 +1,200 @@
+"""Speculative decoding must not change results: each drafter on equals off, on real llama.cpp
+(SmolLM2), with `--flash-attn off` (strict token equality, tests/equality.py) and on (first token
+exactly, logprobs within the measured tolerance). The drafts must really be verified (the tests
+check that tokens were accepted and rejected), and a verifier that accepts one token too many or
+leaves rejected rows in a stream must fail them."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import engine, run, run_traced
+from equality import SMOLLM2_TOLERANCE, TOP, assert_like_alone
+from kvserve.llama.sampler import SamplingParams
+from kvserve.scheduler.kv_manager import KvManager
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.sampling import Sampling
+
+# Text that repeats (prompt lookup drafts well) and text that does not (drafts get rejected).
+PROMPTS = [
+    "apple, banana, cherry, date, elderberry, fig, grape, apple, banana, cherry, date, elderberry, fig,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Once upon a time, in a land far away, there lived a dragon who loved to read books about",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+]
+MAX_TOKENS = 32
+_ids = iter(range(10**9))
+
+
+def request(model, prompt: str, max_tokens: int = MAX_TOKENS, params: SamplingParams | None = None, **kw) -> Request:
+    return Request(id=f"s{next(_ids)}", prompt=model.tokenize(prompt, add_special=True),
+                   params=params or SamplingParams(temperature=0.0), max_tokens=max_tokens,
+                   logprobs=TOP, ignore_eos=True, **kw)
+
+
+def served(smollm2, mode: str, flash_attn: str, make, rounds: int = 1, **overrides):
+    """Each round's outputs for the requests `make(model)` builds, all submitted at once, and the
+    speculator's counts per drafter."""
+    with engine(smollm2, speculative=mode, flash_attn=flash_attn, **overrides) as e:
+        results = [run_traced(e, make(e.model)) for _ in range(rounds)]
+        stats = {name: (s.drafted, s.accepted) for name, s in e.scheduler.speculator.stats.items()}
+    return [list(r.values()) for r in results], stats
+
+
+@pytest.mark.parametrize("flash_attn", ["off", "on"])
+@pytest.mark.parametrize("mode", ["ngram", "auto"])
+def test_speculation_equals_off(smollm2, mode: str, flash_attn: str) -> None:
+    make = lambda m: [request(m, p) for p in PROMPTS]  # noqa: E731
+    (off,), _ = served(smollm2, "off", flash_attn, make)
+    (on,), stats = served(smollm2, mode, flash_attn, make)
+    drafted, accepted = stats["ngram"]
+    assert 0 < accepted < drafted, "the test must verify drafts, accepted and rejected ones"
+    for alone, spec in zip(off, on):
+        assert_like_alone(alone, spec, None if flash_attn == "off" else SMOLLM2_TOLERANCE)
+
+
+def test_tree_drafts_what_followed_this_context_before(smollm2) -> None:
+    """A regenerated answer: the second round drafts the first round's continuation from the page tree."""
+    make = lambda m: [request(m, PROMPTS[2], max_tokens=40)]  # noqa: E731
+    (off,), _ = served(smollm2, "off", "off", make)
+    rounds, stats = served(smollm2, "tree", "off", make, rounds=2, parallel=2)
+    assert stats["tree"][1] >= 30, "the second round's answer is the stored continuation"
+    for result in rounds:
+        assert_like_alone(off[0], result[0], None)
+
+
+def test_prediction_drafts_and_is_counted(smollm2) -> None:
+    """OpenAI's Predicted Outputs: the predicted text drafts, and usage counts accepted and rejected tokens."""
+    with engine(smollm2, speculative="auto", flash_attn="off") as e:
+        plain = request(e.model, PROMPTS[1], max_tokens=24)
+        expected = run(e, [plain])[plain.id]
+        prediction = expected[:10] + e.model.tokenize(" something else entirely", add_special=False) + expected[14:]
+        predicted = request(e.model, PROMPTS[1], max_tokens=24, prediction=prediction)
+        e.scheduler.submit(predicted)
+        tokens, usage = [], None
+        while usage is None:
+            for output in e.scheduler.step():
+                tokens += sum((d.token_ids for d in output.deltas), [])
+                usage = output.usage
+    assert tokens == expected
+    assert usage.accepted_prediction_tokens >= 15
+    assert usage.rejected_prediction_tokens >= 1
+
+
+def test_sampled_output_is_the_same_with_speculation(smollm2) -> None:
+    """Temperature > 0, penalties and logit_bias: with a seed, the same tokens come out (the chain
+    draws once per emitted token, from the same logits), so the distribution is the same too."""
+    def make(m):
+        return [request(m, p, params=SamplingParams(temperature=0.9, top_k=40, seed=seed, frequency_penalty=0.3,
+                                                    logit_bias={11: -2.0}))
+                for seed, p in enumerate(PROMPTS)]
+    (off,), _ = served(smollm2, "off", "off", make)
+    (on,), stats = served(smollm2, "ngram", "off", make)
+    assert stats["ngram"][1] > 0
+    assert [[t.token for t in r] for r in on] == [[t.token for t in r] for r in off]
+
+
+def test_a_grammar_keeps_its_state(smollm2) -> None:
+    grammar = 'root ::= "[" item ("," item)* "]"\nitem ::= "\\"a\\"" | "\\"b\\"" | "\\"ab\\""'
+    make = lambda m: [request(m, 'A JSON list of strings: ["a","b","a","b","a","b",', max_tokens=40,  # noqa: E731
+                              params=SamplingParams(temperature=0.0, grammar=grammar))]
+    (off,), _ = served(smollm2, "off", "off", make)
+    (on,), stats = served(smollm2, "ngram", "off", make)
+    assert stats["ngram"][0] > 0
+    assert [t.token for t in on[0]] == [t.token for t in off[0]]
+
+
+def test_stop_and_max_tokens_inside_an_accepted_run(smollm2) -> None:
+    """Nothing after a stop string or past max_tokens reaches the client, though drafts ran past them."""
+    def texts(mode):
+        with engine(smollm2, speculative=mode, flash_attn="off") as e:
+            out = {}
+            for stop, max_tokens in ((["cherry, date"], 60), ([], 23)):
+                r = request(e.model, PROMPTS[0], max_tokens=max_tokens, stop_strings=stop)
+                e.scheduler.submit(r)
+                text, tokens, reason, done = "", [], None, False
+                while not done:
+                    for output in e.scheduler.step():
+                        for d in output.deltas:
+                            text, tokens = text + d.text, tokens + d.token_ids
+                            reason = d.finish_reason or reason
+                        done = output.usage is not None
+                out[(tuple(stop), max_tokens)] = (text, tokens, reason)
+            return out, e.scheduler.speculator.stats["ngram"].accepted
+    off, _ = texts("off")
+    on, accepted = texts("ngram")
+    assert accepted > 0
+    assert on == off
+    (text, _, _), (_, tokens, _) = off[(("cherry, date",), 60)], off[((), 23)]
+    assert "cherry, date" not in text and len(tokens) == 23
+
+
+def test_positions_equal_the_accepted_length_after_every_step(smollm2) -> None:
+    """llama_memory_seq_pos_max of every running sequence is its session's length - 1 after each
+    step, drafts rejected or not; and an ended request's stream keeps only accepted tokens."""
+    with engine(smollm2, speculative="ngram", flash_attn="off") as e:
+        ctx = e.pool.ctx
+        for r in [request(e.model, p) for p in PROMPTS]:
+            e.scheduler.submit(r)
+        rejected_steps = 0
+        while e.scheduler.has_work():
+            before = e.scheduler.speculator.stats["ngram"].drafted - e.scheduler.speculator.stats["ngram"].accepted
+            e.scheduler.step()
+            rejected_steps += e.scheduler.speculator.stats["ngram"].drafted - e.scheduler.speculator.stats["ngram"].accepted > before
+            for req in e.scheduler.running:
+                for choice in req.state.choices:
+                    if choice.session is not None:
+                        assert ctx.seq_pos_max(choice.session.seq) == choice.session.n_past - 1
+                        assert choice.session.tokens == choice.tokens[: choice.session.n_past]
+        assert rejected_steps > 0
+        for stream in e.pool.streams:  # what each finished sequence donated and kept: accepted tokens only
+            assert ctx.seq_pos_max(stream.seq) == len(stream.resident) - 1
+
+
+def test_n_choices_and_a_cancel_mid_draft(smollm2) -> None:
+    with engine(smollm2, speculative="ngram", flash_attn="off") as e:
+        r = request(e.model, PROMPTS[0], max_tokens=40, n=3,
+                    params=SamplingParams(temperature=0.7, seed=5))
+        other = request(e.model, PROMPTS[3], max_tokens=200)
+        e.scheduler.submit(r)
+        e.scheduler.submit(other)
+        while e.scheduler.speculator.stats["ngram"].drafted == 0 or r in e.scheduler.running:
+            e.scheduler.step()
+        e.scheduler.abort(other.id)
+        e.scheduler.step()
+        assert not e.scheduler.running and e.pool.live_sessions == 0
+        for stream in e.pool.streams:
+            assert e.pool.ctx.seq_pos_max(stream.seq) == len(stream.resident) - 1
+
+
+@pytest.mark.parametrize("bug", ["one_too_many", "rows_left"])
+def test_a_wrong_verifier_fails_these_tests(smollm2, monkeypatch: pytest.MonkeyPatch, bug: str) -> None:
+    """Accepting one draft token too many, or leaving rejected rows in the stream, breaks equality
+    (or the decode)."""
+    if bug == "one_too_many":
+        real = Sampling.verify
+
+        def verify(self, request, choice, row, draft, outputs):
+            accepted = real(self, request, choice, row, draft, outputs)
+            if accepted < len(draft) and choice.finish_reason is None:
+                choice.tokens[-1] = draft[accepted]  # the rejected guess is taken as if accepted
+            return accepted
+        monkeypatch.setattr(Sampling, "verify", verify)
+    else:
+        real_commit = KvManager.commit
+        monkeypatch.setattr(KvManager, "commit", lambda self, choice, n, n_decoded=None: real_commit(self, choice, n))
+    make = lambda m: [request(m, p) for p in PROMPTS]  # noqa: E731
+    (off,), _ = served(smollm2, "off", "off", make)
+    with pytest.raises(AssertionError):
+        (on,), _ = served(smollm2, "ngram", "off", make)
+        for alone, spec in zip(off, on):
+            assert_like_alone(alone, spec, None)
+
+
+def test_no_speculation_where_rows_cannot_be_cut(tiny) -> None:
+    """A recurrent state cannot be cut back: speculation stays off there, and serving works as without it."""
+    with engine(tiny("mamba"), speculative="auto", ctx_size=256, parallel=2) as e:
+        assert not e.scheduler.speculator.enabled and not e.scheduler.speculator.describe()["drafters"]
+        r = Request(id="m", prompt=[1, 5, 6, 7, 5, 6, 7, 5, 6], params=SamplingParams(temperature=0.0), max_tokens=8,
+                    ignore_eos=True)
+        assert len(run(e, [r])["m"]) == 8
