@@ -6,8 +6,10 @@ Workloads, greedy:
 - edit: a code edit whose answer repeats most of the input (rename a variable in a function);
 - edit+prediction: the same edit with OpenAI's `prediction` set to the original code (kvserve only;
   no llama.cpp server honours the field);
-- free: a free-form question, whose answer repeats little.
-Each at 1 and 4 concurrent users (`USERS`).
+- free: a free-form question, whose answer repeats little;
+- regenerate: the free-form question asked again (the prefix tree holds the earlier answer).
+Each at 1 and 4 concurrent users (`USERS`). Every request but regenerate's starts with its own tag,
+so no request finds an earlier one's answer in the prefix tree.
 
 The target is Qwen2.5-Coder-0.5B-Instruct (the part packages `part_models.py` assembles); the issue's
 1.5B target is left out where its parts are not installed.
@@ -31,7 +33,7 @@ from kvserve.testing.part_models import part_model
 
 RESULTS = Path(__file__).parent / "results"
 USERS = (1, 4)
-MAX_TOKENS = 160
+MAX_TOKENS = 120
 THREADS = 2
 
 CODE = '''def summarize(values):
@@ -53,11 +55,12 @@ FREE = [{"role": "user", "content": "Explain in a few paragraphs why the sky is 
 
 
 def workloads() -> dict[str, tuple[list[dict], dict]]:
-    return {
-        "edit": (EDIT, {}),
-        "edit+prediction": (EDIT, {"prediction": {"type": "content", "content": "```python\n" + CODE.replace("count", "n") + "```"}}),
-        "free": (FREE, {}),
-    }
+    prediction = {"prediction": {"type": "content", "content": "```python\n" + CODE.replace("count", "n") + "```"}}
+    return {"edit": (EDIT, {}), "edit+prediction": (EDIT, prediction), "free": (FREE, {}), "regenerate": (FREE, {})}
+
+
+def tagged(messages: list[dict], tag: str) -> list[dict]:
+    return [{**messages[0], "content": f"[{tag}] {messages[0]['content']}"}, *messages[1:]]
 
 
 def decode_rate(results) -> float:
@@ -67,11 +70,17 @@ def decode_rate(results) -> float:
     return statistics.median(rates) if rates else 0.0
 
 
-async def measure(url: str, messages: list[dict], extra: dict, users: int) -> dict:
+_tags = iter(range(10**6))
+
+
+async def measure(url: str, messages: list[dict], extra: dict, users: int, fresh: bool) -> dict:
+    """`fresh`: each request tagged apart, so none finds another's answer in the prefix tree."""
+    def one(n_tokens: int):
+        return lambda: stream_chat(client, url, tagged(messages, f"r{next(_tags)}") if fresh else messages,
+                                   n_tokens, extra)
     async with httpx.AsyncClient() as client:
-        await stream_chat(client, url, messages, 8, extra)  # warm-up (and, for the tree, nothing to reuse: different length)
-        jobs = [lambda: stream_chat(client, url, messages, MAX_TOKENS, extra) for _ in range(users * 2)]
-        results = await gather_limited(jobs, users)
+        await one(MAX_TOKENS if not fresh else 4)()  # a warm-up; for regenerate, the answer asked again
+        results = await gather_limited([one(MAX_TOKENS) for _ in range(max(users, 2))], users)
     errors = [r.error for r in results if r.error]
     return {"decode_tps": decode_rate(results), "tokens": statistics.mean(r.output_tokens for r in results),
             "errors": errors[:1]}
@@ -80,11 +89,12 @@ async def measure(url: str, messages: list[dict], extra: dict, users: int) -> di
 def servers(model: Path) -> list[tuple[str, list[str] | dict, tuple[str, ...]]]:
     """(name, kvserve settings or a llama-server argv tail, workloads it runs)."""
     runs: list[tuple[str, list[str] | dict, tuple[str, ...]]] = [
-        (f"kvserve {mode}", {"speculative": mode}, ("edit", "edit+prediction", "free")) for mode in ("off", "ngram", "auto")
+        (f"kvserve {mode}", {"speculative": mode}, ("edit", "edit+prediction", "free", "regenerate"))
+        for mode in ("off", "ngram", "auto")
     ]
     if llama_server.binary().is_file():
-        runs += [("llama-server none", [], ("edit", "free")),
-                 ("llama-server ngram-mod", ["--spec-type", "ngram-mod"], ("edit", "free"))]
+        runs += [("llama-server none", [], ("edit", "free", "regenerate")),
+                 ("llama-server ngram-mod", ["--spec-type", "ngram-mod"], ("edit", "free", "regenerate"))]
     return runs
 
 
@@ -112,7 +122,7 @@ def main() -> str:
                     continue
                 for users in USERS:
                     row = {"server": name, "workload": workload, "users": users,
-                           **asyncio.run(measure(server.url, messages, extra, users))}
+                           **asyncio.run(measure(server.url, messages, extra, users, workload != "regenerate"))}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     RESULTS.mkdir(exist_ok=True)

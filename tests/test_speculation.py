@@ -14,6 +14,7 @@ from kvserve.llama.sampler import SamplingParams
 from kvserve.scheduler.kv_manager import KvManager
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling import Sampling
+from kvserve.scheduler.speculation import StepCost
 
 # Text that repeats (prompt lookup drafts well) and text that does not (drafts get rejected).
 PROMPTS = [
@@ -22,7 +23,8 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived a dragon who loved to read books about",
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
 ]
-MAX_TOKENS = 32
+MAX_TOKENS = 20
+SMALL = dict(ctx_size=512, parallel=4, batch_size=256, threads=1)  # engines that load fast
 _ids = iter(range(10**9))
 
 
@@ -34,15 +36,24 @@ def request(model, prompt: str, max_tokens: int = MAX_TOKENS, params: SamplingPa
 
 def served(smollm2, mode: str, flash_attn: str, make, rounds: int = 1, **overrides):
     """Each round's outputs for the requests `make(model)` builds, all submitted at once, and the
-    speculator's counts per drafter."""
-    with engine(smollm2, speculative=mode, flash_attn=flash_attn, **overrides) as e:
+    speculator's counts per drafter. `auto` is told that extra tokens cost a step almost nothing
+    (as where weights dominate), so that it drafts whatever is likely enough."""
+    with engine(smollm2, speculative=mode, flash_attn=flash_attn, **{**SMALL, **overrides}) as e:
+        e.scheduler.speculator.cost = _CheapTokens()
         results = [run_traced(e, make(e.model)) for _ in range(rounds)]
         stats = {name: (s.drafted, s.accepted) for name, s in e.scheduler.speculator.stats.items()}
     return [list(r.values()) for r in results], stats
 
 
-@pytest.mark.parametrize("flash_attn", ["off", "on"])
-@pytest.mark.parametrize("mode", ["ngram", "auto"])
+class _CheapTokens(StepCost):
+    def __init__(self) -> None:
+        super().__init__(a=0.05, b=0.0001)
+
+    def observe(self, n_tokens: int, seconds: float, weight: float | None = None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode, flash_attn", [("ngram", "off"), ("auto", "on")])
 def test_speculation_equals_off(smollm2, mode: str, flash_attn: str) -> None:
     make = lambda m: [request(m, p) for p in PROMPTS]  # noqa: E731
     (off,), _ = served(smollm2, "off", flash_attn, make)
@@ -55,17 +66,17 @@ def test_speculation_equals_off(smollm2, mode: str, flash_attn: str) -> None:
 
 def test_tree_drafts_what_followed_this_context_before(smollm2) -> None:
     """A regenerated answer: the second round drafts the first round's continuation from the page tree."""
-    make = lambda m: [request(m, PROMPTS[2], max_tokens=40)]  # noqa: E731
+    make = lambda m: [request(m, PROMPTS[2], max_tokens=30)]  # noqa: E731
     (off,), _ = served(smollm2, "off", "off", make)
-    rounds, stats = served(smollm2, "tree", "off", make, rounds=2, parallel=2)
-    assert stats["tree"][1] >= 30, "the second round's answer is the stored continuation"
+    rounds, stats = served(smollm2, "tree", "off", make, rounds=2)
+    assert stats["tree"][1] >= 20, "the second round's answer is the stored continuation"
     for result in rounds:
         assert_like_alone(off[0], result[0], None)
 
 
 def test_prediction_drafts_and_is_counted(smollm2) -> None:
     """OpenAI's Predicted Outputs: the predicted text drafts, and usage counts accepted and rejected tokens."""
-    with engine(smollm2, speculative="auto", flash_attn="off") as e:
+    with engine(smollm2, speculative="auto", flash_attn="off", **SMALL) as e:
         plain = request(e.model, PROMPTS[1], max_tokens=24)
         expected = run(e, [plain])[plain.id]
         prediction = expected[:10] + e.model.tokenize(" something else entirely", add_special=False) + expected[14:]
@@ -107,7 +118,7 @@ def test_a_grammar_keeps_its_state(smollm2) -> None:
 def test_stop_and_max_tokens_inside_an_accepted_run(smollm2) -> None:
     """Nothing after a stop string or past max_tokens reaches the client, though drafts ran past them."""
     def texts(mode):
-        with engine(smollm2, speculative=mode, flash_attn="off") as e:
+        with engine(smollm2, speculative=mode, flash_attn="off", **SMALL) as e:
             out = {}
             for stop, max_tokens in ((["cherry, date"], 60), ([], 23)):
                 r = request(e.model, PROMPTS[0], max_tokens=max_tokens, stop_strings=stop)
@@ -132,7 +143,7 @@ def test_stop_and_max_tokens_inside_an_accepted_run(smollm2) -> None:
 def test_positions_equal_the_accepted_length_after_every_step(smollm2) -> None:
     """llama_memory_seq_pos_max of every running sequence is its session's length - 1 after each
     step, drafts rejected or not; and an ended request's stream keeps only accepted tokens."""
-    with engine(smollm2, speculative="ngram", flash_attn="off") as e:
+    with engine(smollm2, speculative="ngram", flash_attn="off", **SMALL) as e:
         ctx = e.pool.ctx
         for r in [request(e.model, p) for p in PROMPTS]:
             e.scheduler.submit(r)
@@ -152,7 +163,7 @@ def test_positions_equal_the_accepted_length_after_every_step(smollm2) -> None:
 
 
 def test_n_choices_and_a_cancel_mid_draft(smollm2) -> None:
-    with engine(smollm2, speculative="ngram", flash_attn="off") as e:
+    with engine(smollm2, speculative="ngram", flash_attn="off", **SMALL) as e:
         r = request(e.model, PROMPTS[0], max_tokens=40, n=3,
                     params=SamplingParams(temperature=0.7, seed=5))
         other = request(e.model, PROMPTS[3], max_tokens=200)
