@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
     api_key_file: Path | None = Field(None, description="file of accepted keys, one per line ('#' comments)")
     metrics_need_key: bool = Field(False, description="/metrics needs the key too (it is public by default)")
+    cache_isolation: Literal["key", "none"] = Field(
+        "key", description="key: each API key's prompts share cached rows only with that key's; none: all keys share"
+    )
     max_queue: int = Field(512, ge=0, description="requests that may wait beyond --parallel running ones; more get 429")
     queue_timeout: float = Field(600.0, ge=0, description="seconds a request may wait for a slot before a 503 (0: forever)")
     drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests finish")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvserve.cache.chat_marks import Mark, MarkKind
 from kvserve.cache.kv_pool import Session
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.detokenizer import Detokenizer
 from kvserve.llama.sampler import Sampler, SamplingParams, TokenLogprobs
 from kvserve.scheduler.stop_strings import StopMatcher
@@ -54,6 +55,11 @@ class Request:
     namespace: str = ""  # whose cached rows it may use and adds to ("": the shared default; see server/namespace.py)
     arrival: float = field(default_factory=time.monotonic)
     state: RequestState = field(default_factory=RequestState, init=False, repr=False)
+
+    @property
+    def key(self) -> PrefixKey:
+        """What the prefix cache knows the prompt by."""
+        return PrefixKey(self.namespace, self.prompt)
 
 
 @dataclass(eq=False)

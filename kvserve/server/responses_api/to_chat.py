@@ -43,6 +43,7 @@ def chat_request(body: CreateResponse, history: list[InputItem]) -> ChatCompleti
         "top_logprobs": body.top_logprobs,
         "response_format": _response_format(body.text.format),
         "user": body.user,
+        "cache_salt": body.cache_salt,
         **_tool_fields(body),
     }
     with in_responses_terms():
