@@ -152,8 +152,8 @@ def test_the_budget_holds_exactly_under_a_flood() -> None:
 
 
 def test_default_budget_is_a_quarter_of_ram() -> None:
-    ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
-    assert default_budget_mb() == ram_mb // 4 > 0
+    ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1024 * 1024)
+    assert default_budget_mb() == int(ram_mb // 4)
 
 
 class _Pages:
