@@ -81,6 +81,12 @@ class KvPool(Protocol):
     @property
     def live_sessions(self) -> int: ...
 
+    def stream_view(self, namespace: str) -> list[dict]:
+        """Each stream as /v1/cache shows a caller of `namespace`: `live` (a session runs in it),
+        `resident` (idle, its rows kept for a continuation), `empty`, or `other` (its rows are of
+        another namespace, so neither they nor their length are shown), and the tokens it holds."""
+        ...
+
     def resident_match(self, key: PrefixKey) -> int:
         """Leading tokens of `key` an idle stream of its namespace holds and `new_session(key)` keeps.
         Touches nothing."""
@@ -155,6 +161,18 @@ class StreamPool:
     @property
     def free_streams(self) -> int:
         return self.n_streams - self.live_sessions
+
+    def stream_view(self, namespace: str) -> list[dict]:
+        return [self._stream_state(s, namespace) for s in self.streams]
+
+    @staticmethod
+    def _stream_state(stream: Stream, namespace: str) -> dict:
+        held = stream.session.tokens if stream.session else stream.resident
+        owner = stream.session.namespace if stream.session else stream.namespace
+        if held and owner != namespace:
+            return {"seq": stream.seq, "state": "other", "tokens": 0}
+        state = "live" if stream.session else "resident" if held else "empty"
+        return {"seq": stream.seq, "state": state, "tokens": len(held)}
 
     @property
     def sessions(self) -> list[Session]:

@@ -33,8 +33,8 @@ async def prefix_match(body: dict, request: Request) -> dict:
 @router.get("/v1/cache")
 @router.get("/cache")
 async def cache_view(request: Request, cache_salt: str | None = None) -> dict:
-    """What the caller's namespace holds (`?cache_salt=` names a salted one); the pool's figures are
-    the whole server's."""
+    """What the caller's namespace holds (`?cache_salt=` names a salted one); the pool's counts are
+    the whole server's, its streams of other namespaces show neither rows nor lengths."""
     if cache_salt is not None and not 1 <= len(cache_salt) <= MAX_CACHE_SALT:
         raise invalid(f"cache_salt: a salt has 1 to {MAX_CACHE_SALT} characters", "cache_salt")
     engine: Engine = request.app.state.engine
@@ -46,7 +46,8 @@ async def cache_view(request: Request, cache_salt: str | None = None) -> dict:
             "page_rows": engine.settings.page_rows,
             **engine.cache.view(namespace),
             "pool": {"cells": pool.n_cells, "used_cells": pool.used_cells, "streams": pool.n_streams,
-                     "free_streams": pool.free_streams, "inplace_reuses": pool.inplace_reuses},
+                     "free_streams": pool.free_streams, "inplace_reuses": pool.inplace_reuses,
+                     "stream_cells": pool.n_ctx_seq, "stream_states": pool.stream_view(namespace)},
         }
 
     return await engine.async_engine.call(snapshot)
