@@ -46,9 +46,12 @@ def _match(url: str, key: str, body: dict) -> int:
     return _post(url, key, "/v1/prefix/match", body).json()["cached_tokens"]
 
 
+def _view(url: str, key: str, **params: str) -> dict:
+    return httpx.get(f"{url}/v1/cache", params=params, headers={"Authorization": f"Bearer {key}"}).json()
+
+
 def _chains(url: str, key: str, **params: str) -> list[dict]:
-    view = httpx.get(f"{url}/v1/cache", params=params, headers={"Authorization": f"Bearer {key}"}).json()
-    return view["chains"]
+    return _view(url, key, **params)["chains"]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,10 @@ def test_tenant_b_learns_nothing_of_tenant_as_prompt(url: str) -> None:
     assert _match(url, KEY_A, secret) > 48
     assert not any("4417" in chain["preview"] for chain in _chains(url, KEY_B))
     assert any("4417" in chain["preview"] for chain in _chains(url, KEY_A))
+    # A's stream, resident for its next turn, is A's to see: B sees only that a stream is taken
+    streams_b = {s["state"] for s in _view(url, KEY_B)["pool"]["stream_states"]}
+    streams_a = [s for s in _view(url, KEY_A)["pool"]["stream_states"] if s["state"] == "resident"]
+    assert "resident" not in streams_b and "other" in streams_b and streams_a and streams_a[0]["tokens"] > 48
 
     before = read_metrics(url)
     response = _post(url, KEY_B, "/v1/chat/completions", secret).json()
