@@ -91,6 +91,7 @@ class Settings(BaseSettings):
     )
     max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
+    ui: bool = Field(True, description="serve the playground at / and the live cache view at /ui/cache (--no-ui: neither)")
     metrics_compat: Literal["vllm"] | None = Field(
         None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
     )

@@ -10,19 +10,17 @@ and a replay the grammar rejects aborts the process. So each trigger pattern mat
 text after the marker is a prefix the grammar accepts: the marker, then a prefix of the fixed
 opening of a call, then the end of the text.
 
-Hermes models also write calls in variants (another tag, a Markdown fence, a bare object; see
-`parser`). Two more triggers cover them, both replayed from the call object's brace, so the lazy
-grammar's root has a second branch: one call, then at most the variant's closing tag and fence.
-The text before the brace (a fence, a tag) stays free.
-- A reply that opens with a call object (after a fence or a tag, or not): from `{"name"` on, while
-  the name is still a prefix of a tool's. Qwen2.5-Coder writes such replies, and left free it names
-  the call after the schema's title.
-- A call object anywhere that names a tool: `{"name": "<tool>"`, the name whole. An earlier point
-  would constrain every `{` or ```` ```json ```` of free text, code examples included.
-What none of the patterns catches (a token that runs past those points with text the pattern does
-not list, a call mid-reply whose name is not a tool's) stays free text and is still parsed: a call
-is reported only if it names a tool and its arguments are a JSON object; the schema is not
-enforced on it.
+Hermes models also write calls in another tag (see `parser`). Two more triggers cover them, both
+replayed from the call object's brace, so the lazy grammar's root has a second branch: one call,
+then at most the variant's closing tag and fence. The tag (and a fence before it) stays free.
+- A reply that opens with a tag (after a fence or not), then `{"name"`, while the name is still a
+  prefix of a tool's, so that the grammar holds the name to a tool's.
+- A tag anywhere, then `{"name": "<tool>"`, the name whole. An earlier point would constrain every
+  `<json>{"name"` of free text.
+A call object without a tag is not a call (`formats.ToolFormat.openings`), so no trigger fires on
+it: it stays free text. What none of the patterns catches (a token that runs past those points with
+text the pattern does not list) stays free text and is still parsed: a call is reported only if it
+names a tool and its arguments are a JSON object; the schema is not enforced on it.
 """
 
 from __future__ import annotations
@@ -192,23 +190,26 @@ def _variant_root(call: str) -> str:
     return f'{call} ws (({closers}) ws)? ("{FENCE}" ws)?'
 
 
+# A Hermes variant's tag and the whitespace after it, before the call object.
+_VARIANT_TAG = f"<(?:{'|'.join(HERMES_TAGS)})>[ \\t\\n]*"
+
+
 def _leading_variant_pattern(tools: list[FunctionTool]) -> str:
-    """A reply that opens with a call object (in a fence or a tag or not): from `{"name"` on, before
-    its name is whole, so that the grammar also holds the name to a tool's."""
+    """A reply that opens with a tag (in a fence or not), then a call object from `{"name"` on,
+    before its name is whole, so that the grammar also holds the name to a tool's."""
     names = "|".join(_prefixes([_literal(c) for c in tool.name]) for tool in tools)
     fence = f"(?:{_literal(FENCE)}(?:json|xml)?\\n[ \\t\\n]*)?"
-    tag = f"(?:<(?:{'|'.join(HERMES_TAGS)})>[ \\t\\n]*)?"
     head = f'({_literal("{")} ?"name")'
     name = '"(?:' + names + ")"
-    return f"^[ \\t\\n]*{fence}{tag}{head}{_prefixes([' ?', ':', ' ?', name])}$"
+    return f"^[ \\t\\n]*{fence}{_VARIANT_TAG}{head}{_prefixes([' ?', ':', ' ?', name])}$"
 
 
 def _variant_trigger_pattern(tools: list[FunctionTool], arguments_key: str) -> str:
-    """`{"name": "<tool>"` (as the converter's rules space it), then any prefix of what follows."""
+    """A tag, then `{"name": "<tool>"` (as the converter's rules space it), then any prefix of what follows."""
     names = "|".join(_literal(tool.name) for tool in tools)
     head = f'({_literal("{")} ?"name" ?: ?"(?:{names})")'
     key = [_literal(c) for c in '"' + arguments_key + '"']
-    return f"{head}{_prefixes([',', ' ?', *key, ' ?', ':'])}$"
+    return f"{_VARIANT_TAG}{head}{_prefixes([',', ' ?', *key, ' ?', ':'])}$"
 
 
 def _trigger_pattern(fmt: ToolFormat) -> str:
