@@ -151,7 +151,7 @@ def test_lazy_triggers_fire_only_after_the_thinking(thinking: Thinking) -> None:
     assert grammar.trigger_tokens == ()  # a token would fire inside the thinking too
     opened = "" if thinking is Thinking.OPEN else "<think>\n"
     inside = [f"{opened}Maybe <tool_call>", f'{opened}a {{"name": "get_weather"', f"{opened}```json\n{{\"name\""]
-    after = [f"{opened}done</think>\n\n<tool_call>", f'{opened}done</think>\n{{"name": "get_weather", "arg']
+    after = [f"{opened}done</think>\n\n<tool_call>", f'{opened}done</think>\n<json>{{"name": "get_weather", "arg']
     def fires(text: str) -> bool:
         return any(re.search(p, text) for p in grammar.trigger_patterns)
     assert not any(fires(t) for t in inside)
