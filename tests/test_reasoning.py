@@ -230,3 +230,45 @@ def test_grammars_after_thinking_are_accepted_by_llama_cpp(tiny, mode: Mode, thi
         Sampler(model, params).close()
     finally:
         model.close()
+
+
+# --- what reaches the template ------------------------------------------------------------------------
+
+
+def test_template_variables_and_past_reasoning_reach_the_template(tiny) -> None:
+    from kvserve.llama.chat_template import ChatTemplate
+    from kvserve.llama.model import Model
+    from kvserve.server.prompts import chat_prompt
+    from kvserve.server.schemas import ChatCompletionRequest
+
+    source = ("{% for m in messages %}{{ m.role }}:{{ m.content }}[{{ m.reasoning_content | default('') }}]\n"
+              "{% endfor %}effort={{ reasoning_effort | default('unset') }} x={{ x | default('unset') }}\n<think>\n")
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "hello", "reasoning_content": "greet back"},
+                     {"role": "user", "content": "bye"}],
+        "reasoning_effort": "low", "chat_template_kwargs": {"x": 1, "messages": "not these"}})
+    model = Model(tiny("llama"))
+    try:
+        prompt = chat_prompt(model, ChatTemplate(source, "", ""), body, ReasoningFormat.DEEPSEEK)
+        text = model.detokenize(prompt.tokens, special=True)
+    finally:
+        model.close()
+    assert "assistant:hello[greet back]" in text and "effort=low x=1" in text
+    assert prompt.reasoning == DEEPSEEK_OPEN  # the template opened the block
+
+
+def test_responses_reasoning_items_are_the_next_assistant_turns_thinking() -> None:
+    from kvserve.server.responses_api.schemas import CreateResponse
+    from kvserve.server.responses_api.to_chat import chat_messages
+
+    body = CreateResponse.model_validate({"input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "content": [{"type": "reasoning_text", "text": "done"}]},
+        {"role": "assistant", "content": "fine"}]})
+    messages = chat_messages(body.items)
+    assert [m.get("reasoning_content") for m in messages] == [None, "hm", None, "done"]
+    assert messages[1]["tool_calls"][0]["id"] == "c1"

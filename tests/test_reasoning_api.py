@@ -94,6 +94,9 @@ def test_responses_reasoning_items_and_token_count(url: str) -> None:
     done = [e for e in events if e["type"] == "response.reasoning_text.done"]
     assert len(done) == 1 and done[0]["text"] == thought
     assert events[-1]["response"]["output"][0]["content"] == whole["output"][0]["content"]
+    follow = httpx.post(f"{url}/v1/responses", json={**body, "input": "And Rome?", "previous_response_id": whole["id"]},
+                        timeout=300)
+    assert follow.status_code == 200 and follow.json()["output"][0]["type"] == "reasoning"
 
 
 def test_messages_thinking_blocks_budget_and_disabled(url: str) -> None:
