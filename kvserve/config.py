@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     )
     threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
     flash_attn: Literal["on", "off", "auto"] = Field(
-        "auto", description="flash attention: auto is on where llama.cpp picks it and a start-up check passes; off is bit-stable"
+        "auto", description="flash attention: auto is on where llama.cpp picks it and a start-up check passes; off is plain attention, slower, and still rounds by batch shape"
     )
     pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="how /v1/embeddings pools a text's tokens (default: the model's own; mean where it declares none)"
