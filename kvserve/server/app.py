@@ -80,8 +80,8 @@ async def models(request: Request) -> dict:
 @api.post("/chat/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
-    job, tools = await prompts.chat_job(engine, body)
-    shape = Shape(True, engine.settings.served_name, job, tools=tools)
+    job, reply = await prompts.chat_job(engine, body)
+    shape = Shape(True, engine.settings.served_name, job, reply=reply)
     return await respond(request, engine, job, _answer(engine, shape, body.stream, body.stream_options))
 
 
