@@ -2,13 +2,16 @@
 
     pool, cache = create_kv_pool(model, page_rows=16)   # a stream per session; pages in host memory
     a = pool.new_session(); pool.eval(a, prompt_a); cache.insert(a, a.tokens, preview="A")
-    cache.match_len(prompt_b)             # how much of B is cached; touches nothing
-    b = pool.new_session(); cache.attach(b, prompt_b); pool.eval(b, prompt_b[b.n_past:])
-    cache.view(); cache.stats()
+    key_b = PrefixKey("", prompt_b)      # "" is the shared namespace
+    cache.match_len(key_b)                # how much of B is cached; touches nothing
+    b = pool.new_session(); cache.attach(b, key_b); pool.eval(b, prompt_b[b.n_past:])
+    cache.view(""); cache.stats()
     pool.end_session(a); pool.end_session(b); cache.release(); pool.close()
 
-`pool.new_session(tokens)` instead places the session in place: in the idle stream that still holds
-the longest prefix of `tokens`, which it keeps.
+`pool.new_session(key)` instead places the session in place: in the idle stream of `key`'s
+namespace that still holds the longest prefix of its tokens, which it keeps. A session's namespace
+(its key's, at `new_session`) is what it may attach and what it donates to: a key of another
+namespace never matches its rows.
 
 Models that carry state (Mamba, LFM2, hybrids) get checkpoints instead of pages: render the chat
 with `render_turn_marked`, ask `cache.checkpoint_at` where a mark is worth stopping the prefill,
@@ -28,6 +31,7 @@ from kvserve.cache.kv_pool import KvPool, PoolExhausted, Session, StreamPool
 from kvserve.cache.no_cache import NoCache
 from kvserve.cache.page_cache import Chain, PageCache
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.cache.state_cache import Checkpoint, StateCache
 from kvserve.llama.context import Context, ContextParams, FlashAttn
 from kvserve.llama.kv_types import KvType
@@ -66,6 +70,6 @@ def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, 
 __all__ = [
     "CacheStats", "Chain", "Chat", "Checkpoint", "HostStore", "KvPool", "Mark", "MarkKind", "MarkedTurn", "NoCache",
     "PageCache",
-    "PoolExhausted", "PrefixCache", "Session", "StateCache", "StreamPool", "add_assistant", "add_user",
+    "PoolExhausted", "PrefixCache", "PrefixKey", "Session", "StateCache", "StreamPool", "add_assistant", "add_user",
     "create_chat_renderer", "create_kv_pool", "create_prefix_cache", "render_turn_marked",
 ]
