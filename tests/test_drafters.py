@@ -30,15 +30,17 @@ def test_prediction_starts_at_its_head_and_picks_up_after_an_edit() -> None:
 
 def test_tree_proposes_the_stored_continuation_of_this_context() -> None:
     tree = PageTree(page_rows=2)
-    node = tree.root
+    node = tree.root("")
     for key in ((1, 2), (3, 4), (5, 6), (7, 8)):
         node = tree.add_child(node, key, chain_id=1)
-    other = tree.add_child(tree.root.children[(1, 2)], (3, 9), chain_id=2)
-    tree.hit([tree.root.children[(1, 2)], other, tree.add_child(other, (0, 0), 2)])
+    first = tree.roots[""].children[(1, 2)]
+    other = tree.add_child(first, (3, 9), chain_id=2)
+    tree.hit([first, other, tree.add_child(other, (0, 0), 2)])
     drafter = TreeDrafter(tree)
     assert drafter.propose(Sequence([1, 2, 3, 4, 5], 3), 3) == [6, 7, 8]  # inside page (5, 6), then whole pages
     assert drafter.propose(Sequence([1, 2, 3], 3), 3) == [9, 0, 0]  # the most reused way on
     assert drafter.propose(Sequence([1, 2, 5], 3), 3) == []
+    assert drafter.propose(Sequence([1, 2, 3, 4, 5], 3, namespace="tenant:x"), 3) == []  # another namespace's text
 
 
 def test_step_cost_fits_a_line() -> None:

@@ -78,14 +78,15 @@ class PageTree:
             path.append(node)
         return path
 
-    def continuation(self, tokens: list[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed `tokens` in a donated sequence: the rest of the page that
-        `tokens` ends inside, then whole pages, taking the most reused child where donations went
-        different ways. Empty when no page holds `tokens`' partial last page. Touches nothing."""
-        rows = self.page_rows
-        path = self.match(tokens)
-        node = path[-1] if path else self.root
-        if len(path) < len(tokens) // rows:
+    def continuation(self, key: PrefixKey, k: int) -> list[int]:
+        """Up to `k` tokens that followed `key`'s tokens in a sequence donated under its namespace:
+        the rest of the page the tokens end inside, then whole pages, taking the most reused child
+        where donations went different ways. Empty when no page holds the tokens' partial last page.
+        Touches nothing."""
+        rows, tokens = self.page_rows, key.tokens
+        path = self.match(key)
+        node = path[-1] if path else self.roots.get(key.namespace)
+        if node is None or len(path) < len(tokens) // rows:
             return []
         partial = tuple(tokens[len(path) * rows :])
         out: list[int] = []

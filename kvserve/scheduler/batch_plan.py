@@ -90,7 +90,8 @@ class BatchPlanner:
         for slot in decoding:
             choice, request = slot.choice, slot.request
             if choice.spec is None:
-                choice.spec = SpecState(Sequence(choice.tokens, len(request.prompt), request.prediction))
+                choice.spec = SpecState(Sequence(choice.tokens, len(request.prompt), request.prediction,
+                                                  request.namespace))
             reserved = self.kv.allocate(choice, 1, speculator.config.draft_max) or 1
             limit = min(reserved - 1, request.max_tokens - choice.n_generated - 1,
                         self.config.max_seq_len - len(choice.tokens), max(spare, 0))

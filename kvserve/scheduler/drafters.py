@@ -8,8 +8,9 @@ llama context: it reads tokens, so a wrong guess costs only the rows the step ve
   of the sequence's last n tokens (n from `max_n` down to `min_n`), in its own prompt and output;
 - `PredictionDrafter`: OpenAI's Predicted Outputs: the client's `prediction` text, followed where the
   output copies it and picked up again by n-gram after the output departs from it;
-- `TreeDrafter`: what followed this very context in earlier requests, as the prefix cache's radix
-  tree of KV pages stores it (an agent re-sending a step, a regenerated answer).
+- `TreeDrafter`: what followed this very context in earlier requests of the same cache namespace,
+  as the prefix cache's radix tree of KV pages stores it (an agent re-sending a step, a regenerated
+  answer); another tenant's or salt's text is never drafted, as it is never attached.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.cache.page_tree import PageTree
+from kvserve.cache.prefix_key import PrefixKey
 
 
 @dataclass(eq=False)
@@ -28,6 +30,7 @@ class Sequence:
     tokens: list[int]
     prompt_len: int
     prediction: list[int] = field(default_factory=list)
+    namespace: str = ""  # whose earlier requests the prefix tree may draft from
     indexes: dict[str, "_NgramIndex"] = field(default_factory=dict)
 
 
@@ -113,4 +116,4 @@ class TreeDrafter:
         self.tree = tree
 
     def propose(self, sequence: Sequence, k: int) -> list[int]:
-        return self.tree.continuation(sequence.tokens, k) if k > 0 else []
+        return self.tree.continuation(PrefixKey(sequence.namespace, sequence.tokens), k) if k > 0 else []
