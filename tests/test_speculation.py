@@ -224,3 +224,27 @@ def test_no_speculation_where_rows_cannot_be_cut(tiny) -> None:
         r = Request(id="m", prompt=[1, 5, 6, 7, 5, 6, 7, 5, 6], params=SamplingParams(temperature=0.0), max_tokens=8,
                     ignore_eos=True)
         assert len(run(e, [r])["m"]) == 8
+
+
+def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:
+    """Chat's `prediction` drafts, usage reports it as OpenAI does, a malformed one is a 400 in
+    OpenAI's error shape, and /server_info states what speculation does."""
+    import httpx
+
+    from conftest import serve
+
+    with serve(smollm2, speculative="auto", **SMALL) as url:
+        info = httpx.get(f"{url}/server_info").json()["speculative"]
+        assert info["enabled"] and info["drafters"] == ["prediction", "tree", "ngram"]
+        body = {"messages": [{"role": "user", "content": "Say: the quick brown fox jumps over the lazy dog"}],
+                "max_tokens": 16, "temperature": 0}
+        plain = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+        text = plain["choices"][0]["message"]["content"]
+        predicted = httpx.post(f"{url}/v1/chat/completions", json={
+            **body, "prediction": {"type": "content", "content": [{"type": "text", "text": text}]}}, timeout=300).json()
+        details = predicted["usage"]["completion_tokens_details"]
+        assert predicted["choices"][0]["message"]["content"] == text
+        assert details["accepted_prediction_tokens"] > 0
+        assert plain["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+        bad = httpx.post(f"{url}/v1/chat/completions", json={**body, "prediction": {"type": "file"}}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
