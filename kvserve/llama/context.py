@@ -57,6 +57,10 @@ class ContextParams:
     # LLAMA_POOLING_TYPE_*); a sequence must then fit in one ubatch, since llama.cpp pools per ubatch
     embeddings: bool = False
     pooling: int = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
+    # a sliding-window cache as large as the full one (llama.cpp's default): a cell out of its
+    # sequence's window is overwritten only when the stream has no free cell first; False keeps
+    # n_swa + n_ubatch cells, as llama-server does
+    swa_full: bool = True
 
     @property
     def n_ctx(self) -> int:
@@ -86,6 +90,7 @@ class Context:
         cparams.no_perf = True
         cparams.embeddings = params.embeddings
         cparams.pooling_type = params.pooling
+        cparams.swa_full = params.swa_full
         self.model = model
         self.params = params
         with log_lines() as said:

@@ -35,7 +35,7 @@ from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, To
 @dataclass(frozen=True)
 class ChatPrompt:
     tokens: list[int]
-    marks: list[Mark]  # for a model that carries state: the marks worth a checkpoint
+    marks: list[Mark]  # for a model that keeps prefixes at marks: where a checkpoint may be worth it
     tools: ToolPlan | None  # how the reply calls tools; None: it is plain text
 
 
@@ -99,7 +99,7 @@ def turns_prompt(model: Model, template: ChatTemplate, turns: list[ChatTurn], pl
     if plan is not None:
         template, messages = plan.template(template), plan.prompt_messages(messages)
     try:
-        if model.info.carries_state:
+        if model.info.keeps_at_marks:
             turn = mark_messages(model, template, messages)
             return ChatPrompt(turn.tokens, turn.checkpoint_marks(), plan)
         return ChatPrompt(text_tokens(model, template.render(messages), template.bos_token), [], plan)
