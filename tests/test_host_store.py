@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
 import pytest
 
-from kvserve.cache.host_store import LLAMA_SERVER_CACHE_RAM_MB, HostStore, default_budget_mb, size_of
+from kvserve.cache.host_store import HostStore, default_budget_mb, size_of
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context, ContextParams
 from kvserve.llama.model import Model
@@ -150,8 +151,9 @@ def test_the_budget_holds_exactly_under_a_flood() -> None:
     assert len(store._heap) <= 2 * len(store) + 64  # stale heap items are compacted away
 
 
-def test_default_budget_is_llama_servers_or_a_share_of_ram() -> None:
-    assert 0 < default_budget_mb() <= LLAMA_SERVER_CACHE_RAM_MB
+def test_default_budget_is_a_quarter_of_ram() -> None:
+    ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1024 * 1024)
+    assert default_budget_mb() == int(ram_mb // 4)
 
 
 class _Pages:

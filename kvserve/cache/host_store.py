@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, Protocol, TypeVar, runtime_checkable
 
 from kvserve.cache.page_tree import tick
-from kvserve.config import LLAMA_SERVER_CACHE_RAM_MB, default_budget_mb  # noqa: F401  (the store's default)
+from kvserve.config import default_budget_mb  # noqa: F401  (the store's default)
 
 
 @runtime_checkable

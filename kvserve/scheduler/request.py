@@ -51,6 +51,7 @@ class Request:
     ignore_eos: bool = False  # generate max_tokens regardless (benchmarks)
     marks: list[Mark] = field(default_factory=list)  # where a chat prompt's prefill may stop for a checkpoint
     special_text: bool = False  # the text spells out special tokens (a tool-call marker may be one)
+    namespace: str = ""  # whose cached rows it may use and adds to ("": the shared default; see server/namespace.py)
     arrival: float = field(default_factory=time.monotonic)
     state: RequestState = field(default_factory=RequestState, init=False, repr=False)
 

@@ -1,0 +1,49 @@
+"""Cache namespaces: which requests may share cached rows.
+
+A namespace is part of every prefix-cache key (`PrefixKey`): rows computed under one namespace are
+never attached, kept in place or shown under another. "" is the shared default namespace.
+
+Invariants:
+- a namespace names its parts only by digest (sha256, domain-separated per part), so neither an API
+  key nor a salt can be read back from it, nor from anything the cache shows;
+- the same parts give the same namespace in every process (replicas agree), and different parts
+  give different namespaces (up to a 128-bit digest collision);
+- `namespace_kind` reveals which parts a namespace has, never their values: the only label a
+  namespace may give a metric.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+SHARED = ""
+_PARTS = ("tenant", "salt", "lora")
+
+
+def _digest(part: str, value: str) -> str:
+    return hashlib.sha256(f"kvserve-namespace\0{part}\0{value}".encode()).hexdigest()[:32]
+
+
+def tenant_id(api_key: str) -> str:
+    """A tenant's id, derived from its API key (the key itself is never kept past authentication)."""
+    return _digest("key", api_key)
+
+
+def request_namespace(*, tenant: str | None, cache_salt: str | None, adapters: str = "") -> str:
+    """The namespace a request's rows belong to: its tenant (None: shared, as without keys or under
+    `--cache-isolation none`), its `cache_salt` (None: none) and its adapter set (a canonical string
+    of the request's LoRA adapters, "" for the base model). No part at all: the shared namespace."""
+    values = dict(zip(_PARTS, (tenant, cache_salt, adapters)))
+    return "+".join(f"{part}:{_digest(part, value)}" for part, value in values.items() if value)
+
+
+def namespace_kind(namespace: str) -> str:
+    """Which parts `namespace` has, e.g. "tenant+salt"; "shared" for the default namespace."""
+    if namespace == SHARED:
+        return "shared"
+    return "+".join(item.split(":", 1)[0] for item in namespace.split("+"))
+
+
+NAMESPACE_KINDS = ["shared"] + [
+    "+".join(p for i, p in enumerate(_PARTS) if mask >> i & 1) for mask in range(1, 1 << len(_PARTS))
+]
