@@ -190,23 +190,22 @@ def test_without_a_stop_the_prefix_is_refused(gemma: Model) -> None:
 
 def test_a_window_is_read_alone_into_pages_already_cached(gemma: Model) -> None:
     """Pages cached without the window (donated from a longer prompt's end) get it from a PARTIAL_ONLY
-    read when a later prefill stops there; the bytes added are exactly the window's rows."""
+    read when a later prefill stops there; those pages grow by exactly the window's rows."""
     pool, cache = _pool(gemma)
     system, stop = _tokens(203, 4), 192
     session = pool.new_session()
     _next(pool, session, system + _tokens(30, 5))
     cache.insert(session, session.tokens)
     pool.end_session(session)
-    before, windows = cache.bytes_used, cache.window_bytes()
+    path = cache.tree.match(system, stop // PAGE)
+    before = sum(cache.store.peek(node).nbytes for node in path)
+    assert cache.match_len(system + _tokens(25, 6)) == 0
 
     _stop_at(pool, cache, system + _tokens(40, 7), stop)
     assert cache.windows_filled == 1
-    layout = cache.rows._layout
-    swa_row = layout[1].width  # one position's rows over every sliding-window layer, with its metadata
-    added = cache.window_bytes() - windows
-    assert 0 < added <= TINY_SWA * swa_row  # at most a window of rows (the pages kept a few already)
-    # what grew is those rows, and the pages after the old chain's end: nothing else
-    assert cache.bytes_used - before >= added
+    swa_row = cache.rows._layout[1].width  # a position's rows in every sliding-window layer, and its metadata
+    added = sum(cache.store.peek(node).nbytes for node in path) - before
+    assert added == TINY_SWA * swa_row  # the window's rows and nothing else
     assert cache.bytes_used <= cache.budget_bytes
 
     prompt_b = system + _tokens(25, 6)
@@ -238,18 +237,19 @@ def _chat(e, question: str):
     return greedy(turn.tokens, max_tokens=8, marks=turn.checkpoint_marks()), turn
 
 
+@pytest.fixture(scope="module")
+def answers_alone(tiny) -> list[list[int]]:
+    with engine(tiny("gemma3"), prefix_cache=False, flash_attn="off") as e:
+        requests = [_chat(e, question)[0] for question in QUESTIONS]
+        return [run(e, [request])[request.id] for request in requests]
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["one-after-another", "together"])
-def test_conversations_on_one_system_prompt_attach_it(tiny, together: bool) -> None:
+def test_conversations_on_one_system_prompt_attach_it(tiny, answers_alone: list[list[int]], together: bool) -> None:
     """8 conversations on a system prompt of several windows: after the first, each attaches at
     least 90% of the shared opening (in place one after another, from the pages kept at the opening
     mark when they arrive together), and each answers as it does with the cache off."""
-    path = tiny("gemma3")
-    with engine(path, prefix_cache=False, flash_attn="off") as e:
-        alone = []
-        for question in QUESTIONS:
-            request, _ = _chat(e, question)
-            alone.append(run(e, [request])[request.id])
-    with engine(path, flash_attn="off") as e:
+    with engine(tiny("gemma3"), flash_attn="off") as e:
         chats = [_chat(e, q) for q in QUESTIONS]
         requests = [r for r, _ in chats]
         opening = chats[0][1].opening
@@ -258,10 +258,13 @@ def test_conversations_on_one_system_prompt_attach_it(tiny, together: bool) -> N
             outs = run(e, requests)
         else:
             outs = {r.id: run(e, [r])[r.id] for r in requests}
-        assert [outs[r.id] for r in requests] == alone
+        assert [outs[r.id] for r in requests] == answers_alone
         assert requests[0].state.cached_tokens == 0
         for request in requests[1:]:
             assert request.state.cached_tokens >= 0.9 * opening, (request.state.cached_tokens, opening)
+        # one after another, each lands in the stream the last one left; together, in streams of
+        # their own, from the pages the first kept at its opening
+        assert e.pool.inplace_reuses == (0 if together else len(requests) - 1)
         assert e.cache.bytes_used <= e.cache.budget_bytes
 
 
