@@ -31,7 +31,7 @@ $(WHEELS)/.built: | $(BIN)/python
 		ls $(WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { tail -n 40 $(WHEELS)/build.log; exit 1; }
 	touch $@
 
-.PHONY: install install-test install-bench serve test bench-setup bench
+.PHONY: install install-test install-bench test-tools serve test bench-setup bench
 install: $(WHEELS)/.built
 	$(BIN)/pip install --quiet --find-links $(WHEELS) -e .
 
@@ -41,7 +41,19 @@ install-test: $(WHEELS)/.built
 serve: install
 	$(BIN)/kvserve
 
-test: install-test
+# tests/test_ui.py drives Debian's chromium; tests/test_observability.py runs promtool and a real
+# prometheus. Installed here when missing and apt-get can (as root, as CI runs); elsewhere those tests skip
+# and say why.
+TEST_TOOLS := chromium promtool prometheus
+test-tools:
+	@for tool in $(TEST_TOOLS); do command -v $$tool >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing Debian's chromium and prometheus (the browser and Prometheus tests need them)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium prometheus >/dev/null; \
+	fi
+
+test: install-test test-tools
 	$(BIN)/python -m pytest -q
 
 install-bench: $(WHEELS)/.built

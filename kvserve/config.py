@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     )
     threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
     flash_attn: Literal["on", "off", "auto"] = Field(
-        "auto", description="flash attention: auto is on where llama.cpp picks it and a start-up check passes; off is bit-stable"
+        "auto", description="flash attention: auto is on where llama.cpp picks it and a start-up check passes; off is plain attention, slower, and still rounds by batch shape"
     )
     pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="how /v1/embeddings pools a text's tokens (default: the model's own; mean where it declares none)"
@@ -69,6 +69,14 @@ class Settings(BaseSettings):
     prefix_cache_mb: float | None = Field(None, ge=0, description="alias of --prefix-state-mb")
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")
+    reasoning_format: Literal["auto", "none", "deepseek", "harmony"] = Field(
+        "auto", description="how replies carry thinking, split off as reasoning: auto reads the chat template and "
+        "vocabulary; deepseek is <think> blocks, harmony gpt-oss's channels; none leaves the text as generated"
+    )
+    reasoning_budget: int = Field(
+        -1, ge=-1, description="most tokens a reply may think before the server closes its thinking (-1: no limit)"
+    )
+    chat_template_file: Path | None = Field(None, description="a Jinja chat template to use instead of the model's")
     response_store_count: int = Field(1024, ge=0, description="most responses kept for previous_response_id (0: none)")
     response_store_mb: float = Field(128.0, ge=0, description="byte budget of kept responses, in MiB")
     response_store_ttl: float = Field(3600.0, gt=0, description="seconds a kept response stays retrievable")
@@ -83,11 +91,12 @@ class Settings(BaseSettings):
     )
     max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
+    ui: bool = Field(True, description="serve the playground at / and the live cache view at /ui/cache (--no-ui: neither)")
     metrics_compat: Literal["vllm"] | None = Field(
         None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
     )
 
-    @field_validator("model", "api_key_file")
+    @field_validator("model", "api_key_file", "chat_template_file")
     @classmethod
     def _file_exists(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_file():

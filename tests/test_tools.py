@@ -101,9 +101,14 @@ CASES = {
     "hermes-arguments-not-an-object-are-text": (
         ToolFormat.HERMES, '<tool_call>{"name": "add", "arguments": NaN}</tool_call>',
         '<tool_call>{"name": "add", "arguments": NaN}</tool_call>', []),
-    # the variants Hermes-style models write (Qwen2.5-Coder: a fenced block)
-    "hermes-fenced-json": (ToolFormat.HERMES, 'Sure.\n```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```',
-                           "Sure.", [("add", '{"a": 2, "b": 3}')]),
+    # a call object without the tags of the model's format is text (Qwen2.5-Coder writes one after a
+    # tool's result), fenced or bare
+    "hermes-fenced-object-is-text": (
+        ToolFormat.HERMES, 'Sure.\n```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```',
+        'Sure.\n```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```', []),
+    "hermes-bare-object-is-text": (ToolFormat.HERMES, 'I call {"name": "add", "arguments": {"a": 1}}.',
+                                   'I call {"name": "add", "arguments": {"a": 1}}.', []),
+    # the variants Hermes-style models write: a fence around a tag, another tag
     "hermes-fenced-tag": (
         ToolFormat.HERMES, '```\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n```\nDone.',
         "\nDone.", [("add", "{}")]),
@@ -111,15 +116,9 @@ CASES = {
         ToolFormat.HERMES, '<tools>{"name": "add", "arguments": {}}</tools>\n<JSON>{"name": "get_weather", '
                            '"arguments": {"city": "P"}}</JSON>',
         "", [("add", "{}"), ("get_weather", '{"city": "P"}')]),
-    "hermes-bare-object": (ToolFormat.HERMES, 'I call {"name": "add", "arguments": {"a": 1}}.',
-                           "I call.", [("add", '{"a": 1}')]),
-    # after a bare call, the closing tag and fence the grammar allows there are syntax too
-    "hermes-bare-object-then-closers": (
-        ToolFormat.HERMES, '{"name": "add", "arguments": {}}\n```\n{"name": "add", "arguments": {}}</tools>\n'
-                           '<tool_call>{"name": "add", "arguments": {}}</tool_call>\n</tool',
-        "\n</tool", [("add", "{}")] * 3),
-    "hermes-bare-object-then-text": (ToolFormat.HERMES, '{"name": "add", "arguments": {}}\n`x` </b>\n',
-                                     "\n`x` </b>", [("add", "{}")]),
+    "hermes-bare-object-then-a-call": (
+        ToolFormat.HERMES, '{"name": "add", "arguments": {}}\n<tool_call>{"name": "add", "arguments": {}}</tool_call>',
+        '{"name": "add", "arguments": {}}', [("add", "{}")]),
     "hermes-code-blocks-are-text": (
         ToolFormat.HERMES, '```python\nx = {"a": 1}\n```\n```json\n{"name": "Bob"}\n```\n``` {"x"',
         '```python\nx = {"a": 1}\n```\n```json\n{"name": "Bob"}\n```\n``` {"x"', []),
@@ -211,19 +210,22 @@ def test_trigger_patterns_fire_only_on_a_prefix_the_grammar_accepts() -> None:
 
 
 def test_variant_triggers() -> None:
-    """The Hermes variants' triggers: a reply that opens with `{"name"` (in a fence or a tag or not),
-    or a call object that names a tool wherever it stands; the replay starts at the brace."""
+    """The Hermes variants' triggers: a reply that opens with a tag (in a fence or not) and
+    `{"name"`, or a tag and a call object that names a tool wherever it stands; the replay starts at
+    the brace. A call object without a tag is text, and no trigger fires on it."""
     grammar = tool_grammar(ToolFormat.HERMES, [ADD, WEATHER], required=False, parallel=True, opening_token=None)
     _, leading, variant = grammar.trigger_patterns
-    opens = ['{"name"', ' \n```json\n{"name": "ad', '```\n<tool_call>\n{ "name": "', '<tools>{"name":']
+    opens = [' \n```json\n<json>{"name": "ad', '```\n<tool_call>\n{ "name": "', '<tools>{"name":']
     for text in opens:
         match = search(leading, text)
         assert match and text[match.start(1):].startswith("{"), text
-    assert not any(search(leading, text) for text in ['x {"name"', '{"nam', '{"name": "addx', '```py\n{"name"'])
-    fires = ['```json\n{"name": "add"', 'x {"name":"get_weather"', '{ "name": "add",', '{"name": "add", "argum',
-             '<tools>{"name": "add", "arguments":']
-    never = ['{"name": "ad', '{"name": "addx"', '{"name": "add", "arguments": {', '{"name": "add"\n', '{"key": "add"',
-             '{"name": "rm"']
+    assert not any(search(leading, text) for text in ['{"name"', ' \n```json\n{"name": "ad', 'x <tools>{"name"',
+                                                      '<tools>{"nam', '<tools>{"name": "addx', '```py\n<tools>{"name"'])
+    fires = ['```json\n<json>{"name": "add"', 'x <tools>{"name":"get_weather"', '<tool>\n{ "name": "add",',
+             '<JSON>{"name": "add", "argum', '<tools>{"name": "add", "arguments":']
+    never = ['<tools>{"name": "ad', '<tools>{"name": "addx"', '<tools>{"name": "add", "arguments": {',
+             '<tools>{"name": "add"\n', '<tools>{"key": "add"', '<tools>{"name": "rm"', '```json\n{"name": "add"',
+             'x {"name":"get_weather"', '{"name": "add", "argum', '<call>{"name": "add"']
     for text in fires:
         match = search(variant, text)
         assert match and text[match.start(1):].startswith("{"), text
@@ -394,10 +396,10 @@ def test_the_model_may_stop_after_each_call(hermes_model: Model, choice: ToolCho
 
 
 @pytest.mark.parametrize("text,rest", [
-    ('Sure.\n```json\n{"name": "add"', ', "arguments": {"a": 1, "b": 2}}\n```'),
+    ('Sure.\n```json\n<json>{"name": "add"', ', "arguments": {"a": 1, "b": 2}}</json>\n```'),
     ('x <tools>{"name": "add", "argu', 'ments": {"a": 1, "b": 2}}</tools>'),
-    ('{ "name": "get_weather",', ' "arguments": {"city": "P"}}'),
-    ('```json\n{"name": "', 'add", "arguments": {"a": 1, "b": 2}}\n```')])
+    ('<tool>{ "name": "get_weather",', ' "arguments": {"city": "P"}}'),
+    ('```json\n<xml>{"name": "', 'add", "arguments": {"a": 1, "b": 2}}</xml>\n```')])
 def test_variant_trigger_replays_into_the_grammar(hermes_model: Model, text: str, rest: str) -> None:
     """The variant trigger fires (the grammar holds: not every token is allowed) and its replay is
     accepted (a rejected replay would abort this process); the call then closes, with its fence

@@ -76,6 +76,11 @@ class KvPool(Protocol):
     @property
     def live_sessions(self) -> int: ...
 
+    def stream_view(self) -> list[dict]:
+        """Each stream as /v1/cache shows it: `live` (a session runs in it), `resident` (idle, its
+        rows kept for a continuation) or `empty`, and the tokens it holds."""
+        ...
+
     def resident_match(self, tokens: list[int]) -> int:
         """Leading tokens of `tokens` an idle stream holds and `new_session(tokens)` keeps. Touches nothing."""
         ...
@@ -145,6 +150,10 @@ class StreamPool:
     @property
     def free_streams(self) -> int:
         return self.n_streams - self.live_sessions
+
+    def stream_view(self) -> list[dict]:
+        return [{"seq": s.seq, "state": "live" if s.session else "resident" if s.resident else "empty",
+                 "tokens": len(s.session.tokens if s.session else s.resident)} for s in self.streams]
 
     @property
     def sessions(self) -> list[Session]:

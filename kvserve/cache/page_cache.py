@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
-from kvserve.cache.host_store import HostStore
+from kvserve.cache.host_store import HostStore, size_of
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.page_tree import PageNode, PageTree
 from kvserve.cache.prefix_cache import PrefixCache
@@ -45,11 +45,15 @@ class Chain:
     preview: str
     hits: int = 0
 
-    def snapshot(self, page_rows: int) -> dict:
+    def snapshot(self, page_rows: int, store: HostStore[PageNode, KvPage]) -> dict:
+        """`bytes`: host memory of the pages on its path still held (a shared page counts in every
+        chain through it)."""
+        alive = [node for node in self.path if node.alive]
         return {
             "id": self.id,
             "tokens": len(self.path) * page_rows,
-            "pages_alive": sum(node.alive for node in self.path),
+            "pages_alive": len(alive),
+            "bytes": sum(size_of(page) for page in map(store.peek, alive) if page is not None),
             "hits": self.hits,
             "preview": self.preview,
         }
@@ -268,4 +272,4 @@ class PageCache(PrefixCache):
     def view(self) -> dict:
         return {"enabled": True, "held_pages": self.held_pages, "held_bytes": self.store.bytes_used,
                 "budget_bytes": self.store.budget_bytes, "window_bytes": self.window_bytes(),
-                "chains": [chain.snapshot(self.page_rows) for chain in self.chains.values()]}
+                "chains": [chain.snapshot(self.page_rows, self.store) for chain in self.chains.values()]}

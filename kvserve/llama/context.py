@@ -85,7 +85,7 @@ class Context:
         cparams.n_threads_batch = params.n_threads
         cparams.kv_unified = params.unified
         # Flash attention rounds differently by batch shape (tiled for many queries, one-query path
-        # for decodes); `off` is bit-stable.
+        # for decodes); `off` does not, but the quantized matmuls still round by ubatch shape.
         cparams.flash_attn_type = _FLASH_ATTN_TYPES[params.flash_attn]
         cparams.no_perf = True
         cparams.embeddings = params.embeddings

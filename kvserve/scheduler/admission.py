@@ -24,6 +24,7 @@ from kvserve.scheduler.queues import Queues
 from kvserve.scheduler.request import Choice, FinishReason, Request
 from kvserve.scheduler.step_output import StepOutputs
 from kvserve.scheduler.stop_strings import StopMatcher
+from kvserve.scheduler.thinking import ThinkingWatch
 
 # A waiting request passed over this many times by cache-aware admission goes first regardless.
 STARVATION_LIMIT = 8
@@ -133,6 +134,7 @@ class Admission:
             sampler=Sampler(model, request.params),
             detokenizer=Detokenizer(model, special=request.special_text),
             stop_matcher=StopMatcher(request.stop_strings),
+            thinking=ThinkingWatch(request.thinking) if request.thinking is not None else None,
         )
 
 

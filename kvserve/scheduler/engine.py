@@ -12,6 +12,7 @@ from kvserve.config import Settings
 from kvserve.llama.attention_check import FlashAttnChoice, choose_flash_attn
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.model import Model
+from kvserve.reply import ReasoningFormat, resolve_format
 from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.embeddings import Embedder, EmbedderConfig, model_pooling
@@ -31,6 +32,7 @@ class Engine:
     scheduler: Scheduler
     async_engine: AsyncEngine
     attention: FlashAttnChoice  # flash attention on or off, and why (/server_info reports it)
+    reasoning: ReasoningFormat = ReasoningFormat.NONE  # how replies carry thinking
 
     @property
     def embedder(self) -> Embedder:
@@ -67,7 +69,10 @@ class Engine:
             n_threads=settings.threads, queue_timeout=settings.queue_timeout))
         scheduler = Scheduler(pool, cache, config, embedder)
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
-        return cls(settings, model, ChatTemplate.from_model(model), pool, cache, scheduler, async_engine, attention)
+        template = ChatTemplate.from_model(model, settings.chat_template_file)
+        reasoning = resolve_format(settings.reasoning_format, template.source, model.is_one_token)
+        _log.info("reasoning format: %s", reasoning.value)
+        return cls(settings, model, template, pool, cache, scheduler, async_engine, attention, reasoning)
 
     def close(self) -> None:
         """Release the cache, then the contexts, then the model (the reverse of `load`)."""

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.config import Settings
 from kvserve.scheduler.engine import Engine
-from kvserve.server import cache_routes, embeddings, prompts, worker_routes
+from kvserve.server import cache_routes, embeddings, prompts, ui_routes, worker_routes
 from kvserve.server.auth import bearer_values, require_key
 from kvserve.server.errors import error_responses, install_error_handlers
 from kvserve.server.generation import Answer, accepting, respond
@@ -80,8 +80,8 @@ async def models(request: Request) -> dict:
 @api.post("/chat/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
-    job, tools = await prompts.chat_job(engine, body)
-    shape = Shape(True, engine.settings.served_name, job, tools=tools)
+    job, reply = await prompts.chat_job(engine, body)
+    shape = Shape(True, engine.settings.served_name, job, reply=reply)
     return await respond(request, engine, job, _answer(engine, shape, body.stream, body.stream_options))
 
 
@@ -138,6 +138,8 @@ def create_app(settings: Settings) -> FastAPI:
     guarded = dict(dependencies=[Depends(require_key)], responses=error_responses(400, 401, 413))
     app.include_router(cache_routes.router, **guarded)
     app.include_router(worker_routes.router, **guarded)
+    if settings.ui:
+        ui_routes.install(app)
     for path in app.openapi()["paths"]:  # every route's series from the start, at 0
         app.state.metrics.unexpected.labels(route=path)
     # The last added runs outermost: RequestId wraps the rest, so the id is set before anything logs or answers.

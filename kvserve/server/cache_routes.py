@@ -30,7 +30,8 @@ async def cache_view(request: Request) -> dict:
             "page_rows": engine.settings.page_rows,
             **engine.cache.view(),
             "pool": {"cells": pool.n_cells, "used_cells": pool.used_cells, "streams": pool.n_streams,
-                     "free_streams": pool.free_streams, "inplace_reuses": pool.inplace_reuses},
+                     "free_streams": pool.free_streams, "inplace_reuses": pool.inplace_reuses,
+                     "stream_cells": pool.n_ctx_seq, "stream_states": pool.stream_view()},
         }
 
     return await engine.async_engine.call(snapshot)

@@ -76,6 +76,7 @@ class Message(Body):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this is the result of
+    reasoning_content: str | None = None  # assistant messages: the thinking before the reply, if sent back
 
     @field_validator("tool_call_id")
     @classmethod
@@ -206,6 +207,11 @@ class ChatCompletionRequest(Sampling):
     tools: list[ChatTool] | None = Field(None, min_length=1)
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
+    # Reasoning models: variables for the chat template (`enable_thinking: false`), the effort the
+    # template is told (gpt-oss reads it), and the most tokens the reply may think (-1: no limit).
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_budget: int | None = Field(None, ge=-1)
     # The pre-tools form of function calling: refused rather than ignored, and left out of the
     # OpenAPI document, which describes what is served.
     functions: SkipJsonSchema[list[dict[str, Any]] | None] = None

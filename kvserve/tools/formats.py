@@ -8,7 +8,7 @@ import enum
 # Tags a Hermes-style model may wrap a call in besides <tool_call>, each closed by its own </tag>: the
 # ones llama.cpp's Hermes parser accepts (Hermes 2 Pro and Qwen 2.5 fine-tunes write them).
 HERMES_TAGS = ("tool_call", "function_call", "tool", "tools", "response", "json", "xml", "JSON")
-# A Markdown fence around a call, as Qwen2.5-Coder writes one under `auto`: ```json, ```xml or ```.
+# A Markdown fence around a tagged call: ```json, ```xml or ```.
 FENCE = "```"
 FENCE_LANGUAGES = ("", "json", "xml")
 
@@ -27,9 +27,12 @@ class ToolFormat(str, enum.Enum):
     @property
     def openings(self) -> tuple[str, ...]:
         """Every text that may open calls in the middle of a reply: the marker and, for Hermes, the
-        variants its models write (another tag, a fence, or a bare `{"name": ...}` object)."""
+        variants its models write (another tag, or a fence around a tag). A bare or fenced
+        `{"name": ...}` object is not a call in a format whose calls are tagged: a model writes one
+        as text (Qwen2.5-Coder, given a tool's result under `auto`), and a forced choice's grammar
+        writes the tag from the first token."""
         if self is ToolFormat.HERMES:
-            return (*(f"<{tag}>" for tag in HERMES_TAGS), FENCE, "{")
+            return (*(f"<{tag}>" for tag in HERMES_TAGS), FENCE)
         return (self.opening,) if self.opening else ()
 
     @property

@@ -10,24 +10,23 @@ and a replay the grammar rejects aborts the process. So each trigger pattern mat
 text after the marker is a prefix the grammar accepts: the marker, then a prefix of the fixed
 opening of a call, then the end of the text.
 
-Hermes models also write calls in variants (another tag, a Markdown fence, a bare object; see
-`parser`). Two more triggers cover them, both replayed from the call object's brace, so the lazy
-grammar's root has a second branch: one call, then at most the variant's closing tag and fence.
-The text before the brace (a fence, a tag) stays free.
-- A reply that opens with a call object (after a fence or a tag, or not): from `{"name"` on, while
-  the name is still a prefix of a tool's. Qwen2.5-Coder writes such replies, and left free it names
-  the call after the schema's title.
-- A call object anywhere that names a tool: `{"name": "<tool>"`, the name whole. An earlier point
-  would constrain every `{` or ```` ```json ```` of free text, code examples included.
-What none of the patterns catches (a token that runs past those points with text the pattern does
-not list, a call mid-reply whose name is not a tool's) stays free text and is still parsed: a call
-is reported only if it names a tool and its arguments are a JSON object; the schema is not
-enforced on it.
+Hermes models also write calls in another tag (see `parser`). Two more triggers cover them, both
+replayed from the call object's brace, so the lazy grammar's root has a second branch: one call,
+then at most the variant's closing tag and fence. The tag (and a fence before it) stays free.
+- A reply that opens with a tag (after a fence or not), then `{"name"`, while the name is still a
+  prefix of a tool's, so that the grammar holds the name to a tool's.
+- A tag anywhere, then `{"name": "<tool>"`, the name whole. An earlier point would constrain every
+  `<json>{"name"` of free text.
+A call object without a tag is not a call (`formats.ToolFormat.openings`), so no trigger fires on
+it: it stays free text. What none of the patterns catches (a token that runs past those points with
+text the pattern does not list) stays free text and is still parsed: a call is reported only if it
+names a tool and its arguments are a JSON object; the schema is not enforced on it.
 """
 
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import re
 from dataclasses import dataclass
@@ -67,26 +66,60 @@ def check_parameters(tool: FunctionTool) -> None:
 
 
 def tool_grammar(fmt: ToolFormat, tools: list[FunctionTool], *, required: bool, parallel: bool,
-                 opening_token: int | None) -> ToolGrammar:
+                 opening_token: int | None, thinking: Thinking | None = None) -> ToolGrammar:
     """The grammar for calls to `tools` in `fmt`: from the first token when `required` (or in the
-    generic mode, where the reply is always one JSON object), else lazily from the opening marker."""
+    generic mode, where the reply is always one JSON object), else lazily from the opening marker.
+    A reply that thinks first (`thinking`) gets its `<think>` block before the calls: a grammar
+    from the first token lets it through, and a lazy one's patterns fire only after it closed."""
     for tool in tools:
         check_parameters(tool)
+    head = _THINK_RULES[thinking] if thinking is not None else ("", "")
     if fmt is ToolFormat.GENERIC:
         rules, reply = _converted(tools, fmt.arguments_key, "reply",
                                   lambda call: _generic_reply(call, required, parallel))
-        return ToolGrammar(f"root ::= {reply}\n{rules}")
+        return ToolGrammar(f"root ::= {head[0]}{reply}\n{head[1]}{_WS_RULE}\n{rules}")
     assert tools, "a format with call syntax needs a tool to call"
     rules, call = _converted(tools, fmt.arguments_key, "call", lambda call: call)
     root = _wrapped_root(fmt, call, parallel)
     if required:
-        return ToolGrammar(f"root ::= {root}\n{_WS_RULE}\n{rules}")
+        return ToolGrammar(f"root ::= {head[0]}({root})\n{head[1]}{_WS_RULE}\n{rules}")
     patterns = (_trigger_pattern(fmt),)
     if fmt is ToolFormat.HERMES:
         root = f"{root} | {_variant_root(call)}"
         patterns += (_leading_variant_pattern(tools), _variant_trigger_pattern(tools, fmt.arguments_key))
     gbnf = f"root ::= {root}\n{_WS_RULE}\n{rules}"
+    if thinking is not None:  # a token trigger would fire inside the thinking too
+        return ToolGrammar(gbnf, tuple(_after_thinking(p, thinking) for p in patterns))
     return ToolGrammar(gbnf, patterns, (opening_token,) if opening_token is not None else ())
+
+
+class Thinking(str, enum.Enum):
+    """Where a reply's `<think>` block is: opened by the prompt, or perhaps by the reply itself."""
+
+    OPEN = "open"
+    OPTIONAL = "optional"
+
+
+# Thinking text: anything that does not spell `</think>` (a `<` takes the character after it along).
+_THINK_TEXT = ('think-text ::= ([^<] | "<" ([^/] | "/" ([^t] | "t" ([^h] | "h" ([^i] | "i" ([^n] | "n" '
+               '([^k] | "k" [^>])))))))*')
+# Per placement: what the root starts with, and the rules it needs.
+_THINK_RULES = {
+    Thinking.OPEN: ('think-text "</think>" ws ', f"{_THINK_TEXT}\n"),
+    Thinking.OPTIONAL: ('("<think>" think-text "</think>" ws)? ', f"{_THINK_TEXT}\n"),
+}
+# A lazy pattern's gate: the text before the trigger has closed its thinking (or never opened any).
+_GATES = {
+    Thinking.OPEN: r"^[\s\S]*?</think>",
+    Thinking.OPTIONAL: r"^(?:[ \t\n]*<think>[\s\S]*?</think>|(?![ \t\n]*<think>))",
+}
+
+
+def _after_thinking(pattern: str, thinking: Thinking) -> str:
+    """`pattern`, matching only past the thinking: a pattern anchored at the reply's start is
+    anchored at the thinking's end instead; any other may match anywhere after it."""
+    gate = _GATES[thinking]
+    return gate + pattern[1:] if pattern.startswith("^") else f"{gate}[\\s\\S]*?{pattern}"
 
 
 def _converted(tools: list[FunctionTool], arguments_key: str, top: str,
@@ -157,23 +190,26 @@ def _variant_root(call: str) -> str:
     return f'{call} ws (({closers}) ws)? ("{FENCE}" ws)?'
 
 
+# A Hermes variant's tag and the whitespace after it, before the call object.
+_VARIANT_TAG = f"<(?:{'|'.join(HERMES_TAGS)})>[ \\t\\n]*"
+
+
 def _leading_variant_pattern(tools: list[FunctionTool]) -> str:
-    """A reply that opens with a call object (in a fence or a tag or not): from `{"name"` on, before
-    its name is whole, so that the grammar also holds the name to a tool's."""
+    """A reply that opens with a tag (in a fence or not), then a call object from `{"name"` on,
+    before its name is whole, so that the grammar also holds the name to a tool's."""
     names = "|".join(_prefixes([_literal(c) for c in tool.name]) for tool in tools)
     fence = f"(?:{_literal(FENCE)}(?:json|xml)?\\n[ \\t\\n]*)?"
-    tag = f"(?:<(?:{'|'.join(HERMES_TAGS)})>[ \\t\\n]*)?"
     head = f'({_literal("{")} ?"name")'
     name = '"(?:' + names + ")"
-    return f"^[ \\t\\n]*{fence}{tag}{head}{_prefixes([' ?', ':', ' ?', name])}$"
+    return f"^[ \\t\\n]*{fence}{_VARIANT_TAG}{head}{_prefixes([' ?', ':', ' ?', name])}$"
 
 
 def _variant_trigger_pattern(tools: list[FunctionTool], arguments_key: str) -> str:
-    """`{"name": "<tool>"` (as the converter's rules space it), then any prefix of what follows."""
+    """A tag, then `{"name": "<tool>"` (as the converter's rules space it), then any prefix of what follows."""
     names = "|".join(_literal(tool.name) for tool in tools)
     head = f'({_literal("{")} ?"name" ?: ?"(?:{names})")'
     key = [_literal(c) for c in '"' + arguments_key + '"']
-    return f"{head}{_prefixes([',', ' ?', *key, ' ?', ':'])}$"
+    return f"{_VARIANT_TAG}{head}{_prefixes([',', ' ?', *key, ' ?', ':'])}$"
 
 
 def _trigger_pattern(fmt: ToolFormat) -> str:

@@ -13,8 +13,9 @@ content, and the reply's finish reason (`length`, or a stop sequence's `stop`) s
 Before that point such text is content.
 
 Hermes models write their calls in variants besides `<tool_call>{...}</tool_call>`: another tag
-(`formats.HERMES_TAGS`), a Markdown fence (```` ```json ````, optionally around a tag), or a bare
-`{"name": ..., "arguments": ...}` object anywhere in the reply. All of them are calls.
+(`formats.HERMES_TAGS`), or a Markdown fence (```` ```json ````) around a tag. Both are calls. A
+bare or fenced `{"name": ..., "arguments": ...}` object without a tag is content
+(`ToolFormat.openings` says why).
 """
 
 from __future__ import annotations
@@ -230,10 +231,6 @@ class ToolCallParser:
         ch = yield  # the character after the opening
         if self._fmt is ToolFormat.MISTRAL:
             return (yield from self._call_list(ch))
-        if opening == "{":  # a bare call, whose variant's closing tag and fence may follow
-            ch = yield from self._call_body(ch)
-            ch = yield from self._optional(ch, tuple(f"</{tag}>" for tag in HERMES_TAGS))
-            return (yield from self._optional(ch, (FENCE,)))
         if opening == FENCE:
             return (yield from self._fenced(ch))
         ch = yield from self._call(ch)
@@ -250,29 +247,12 @@ class ToolCallParser:
         return (yield from self._literal("]", ch))
 
     def _fenced(self, ch: str | None) -> Steps:
-        """After the fence: a language and a newline, a call (in a tag or not), the closing fence."""
+        """After the fence: a language and a newline, a call in a tag, the closing fence."""
         _, ch = yield from self._one_of(tuple(f"{language}\n" for language in FENCE_LANGUAGES), ch)
-        ch = yield from self._ws(ch)
-        tag = None
-        if ch == "<":
-            tag, ch = yield from self._one_of(tuple(f"<{tag}>" for tag in HERMES_TAGS), ch)
+        tag, ch = yield from self._one_of(tuple(f"<{tag}>" for tag in HERMES_TAGS), (yield from self._ws(ch)))
         ch = yield from self._call(ch)
-        if tag is not None:
-            ch = yield from self._literal(f"</{tag[1:-1]}>", ch)
+        ch = yield from self._literal(f"</{tag[1:-1]}>", ch)
         return (yield from self._literal(FENCE, ch))
-
-    def _optional(self, ch: str | None, texts: tuple[str, ...]) -> Steps:
-        """One of `texts` after whitespace, read as syntax if it comes whole; else what was read
-        here is read again as what follows."""
-        self._raw = [ch] if ch is not None else []
-        try:
-            _, ch = yield from self._one_of(texts, (yield from self._ws(ch)))
-        except _NotACall:
-            raw, self._raw = self._raw, None
-            self._queue.extendleft(reversed(raw))
-            return (yield)
-        self._raw = None
-        return ch
 
     def _one_of(self, texts: tuple[str, ...], ch: str | None) -> Reads:
         """One of `texts` (none a prefix of another), from `ch` on: returns (it, the next character)."""

@@ -54,9 +54,9 @@ async def create_response(body: CreateResponse, request: Request) -> Response:
     history = _stored(store, body.previous_response_id, "previous_response_id").context \
         if body.previous_response_id else []
     with to_chat.in_responses_terms():
-        job, tools = await prompts.chat_job(engine, to_chat.chat_request(body, history))
+        job, reply = await prompts.chat_job(engine, to_chat.chat_request(body, history))
     events = ResponseEvents(ResponseHead(body, engine.settings.served_name),
-                            LogprobFormatter(engine.model) if body.wants_logprobs else None, tools)
+                            LogprobFormatter(engine.model) if body.wants_logprobs else None, reply)
     context = history + body.items
 
     def keep(final: dict) -> None:

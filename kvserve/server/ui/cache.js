@@ -1,0 +1,130 @@
+// The live cache view: /v1/cache and /metrics, read every few seconds.
+//
+// Drawing stays bounded whatever the cache holds: the top chains only (a partial selection, not a
+// sort of them all), one box per stream (at most --parallel), a few minutes of samples.
+
+import { api, el, errorText, formatBytes } from "./api.js";
+
+const REFRESH_MS = 2000;
+const WINDOW_MS = 10 * 60 * 1000;
+const TOP_CHAINS = 20;
+const COUNTERS = {
+  hit: "kvserve_prefix_cache_hit_tokens_total",
+  queried: "kvserve_prefix_cache_queried_tokens_total",
+  reuses: "kvserve_prefix_cache_inplace_reuse_total",
+  inplace: "kvserve_prefix_cache_inplace_tokens_total",
+};
+const $ = (id) => document.getElementById(id);
+const samples = []; // { at, hit, queried, reuses, inplace }, oldest first, WINDOW_MS of them
+
+// The unlabelled samples of a Prometheus text exposition, by name.
+function parseMetrics(text) {
+  const values = {};
+  for (const line of text.split("\n")) {
+    const match = /^([a-zA-Z_:][\w:]*) (\S+)$/.exec(line);
+    if (match) values[match[1]] = Number(match[2]);
+  }
+  return values;
+}
+
+// The `n` entries ranking first by `better`, best first, without sorting all of them.
+function top(entries, n, better) {
+  const kept = [];
+  for (const entry of entries) {
+    if (kept.length === n && !better(entry, kept[n - 1])) continue;
+    let i = Math.min(kept.length, n - 1);
+    kept[i] = entry;
+    while (i > 0 && better(kept[i], kept[i - 1])) {
+      [kept[i - 1], kept[i]] = [kept[i], kept[i - 1]];
+      i -= 1;
+    }
+  }
+  return kept;
+}
+
+const byHitsThenTokens = (a, b) => a.hits > b.hits || (a.hits === b.hits && a.tokens > b.tokens);
+
+function showStore(view) {
+  const held = view.held_bytes ?? 0;
+  const budget = view.budget_bytes ?? 0;
+  $("store-bar").style.width = budget ? `${Math.min(100, (100 * held) / budget)}%` : "0";
+  const pages = view.enabled ? `${view.held_pages} pages of ${view.page_rows} rows` : "prefix cache off (--no-prefix-cache)";
+  $("store-text").textContent = `${formatBytes(held)} of ${formatBytes(budget)} (--prefix-state-mb) · ${pages}`;
+}
+
+function showStreams(pool) {
+  const cells = pool.stream_cells;
+  $("streams").replaceChildren(...pool.stream_states.map((s) => el("li", { class: `stream ${s.state}`, dataset: { seq: s.seq } },
+    el("span", { class: "seq" }, `#${s.seq}`), el("span", { class: "state" }, s.state),
+    el("span", { class: "tokens" }, `${s.tokens} tokens`),
+    el("div", { class: "meter" }, el("div", { style: { width: `${(100 * s.tokens) / cells}%` } })))));
+}
+
+function showChains(view) {
+  // A page cache lists chains; a checkpoint cache (recurrent models) lists checkpoints.
+  const entries = view.chains ?? (view.checkpoints ?? []).map((c) => ({ ...c, tokens: c.position, pages: c.kind }));
+  const shown = top(entries, TOP_CHAINS, byHitsThenTokens);
+  const longest = Math.max(1, ...shown.map((c) => c.tokens));
+  const kind = view.chains ? "chains" : "checkpoints";
+  $("chains-count").textContent = `${entries.length} ${kind}; the ${shown.length} with most hits (then most tokens)`;
+  $("chains").replaceChildren(...shown.map((c) => el("tr", { class: "chain" },
+    el("td", { class: "preview" }, c.preview),
+    el("td", { class: "tokens" }, el("div", { class: "meter" }, el("div", { style: { width: `${(100 * c.tokens) / longest}%` } })),
+      String(c.tokens)),
+    el("td", {}, c.pages ?? `${c.pages_alive}`), el("td", { class: "hits" }, String(c.hits)),
+    el("td", {}, formatBytes(c.bytes ?? 0)))));
+}
+
+function remember(metrics) {
+  const now = Date.now();
+  const sample = { at: now };
+  for (const [key, name] of Object.entries(COUNTERS)) sample[key] = metrics[name] ?? 0;
+  samples.push(sample);
+  while (samples.length > 2 && samples[0].at < now - WINDOW_MS) samples.shift();
+}
+
+function showRates() {
+  const first = samples[0];
+  const last = samples[samples.length - 1];
+  const share = (hit, queried) => (queried > 0 ? `${((100 * hit) / queried).toFixed(1)}%` : "none");
+  const queried = last.queried - first.queried;
+  $("rate-text").textContent = `last ${((last.at - first.at) / 60000).toFixed(1)} min: hit rate `
+    + `${share(last.hit - first.hit, queried)} of ${queried} prompt tokens · ${last.reuses - first.reuses} in-place reuses`;
+  $("total-text").textContent = `since start: ${last.hit} of ${last.queried} prompt tokens from the cache `
+    + `(${share(last.hit, last.queried)}) · ${last.reuses} in-place reuses (${last.inplace} tokens kept in place)`;
+  // One bar per refresh that saw prompts, placed in time across the window: the share of their tokens the cache held.
+  const x = (at) => (300 * (at - (last.at - WINDOW_MS))) / WINDOW_MS;
+  const bars = [];
+  for (let i = 1; i < samples.length; i += 1) {
+    const asked = samples[i].queried - samples[i - 1].queried;
+    if (asked <= 0) continue;
+    const height = (60 * (samples[i].hit - samples[i - 1].hit)) / asked;
+    const left = x(samples[i - 1].at);
+    const bar = document.createElementNS("http://www.w3.org/2000/svg", "rect");
+    const place = { x: left, y: 60 - height, width: Math.max(1, x(samples[i].at) - left), height };
+    for (const [name, value] of Object.entries(place)) bar.setAttribute(name, value);
+    bars.push(bar);
+  }
+  $("hit-chart").replaceChildren(...bars);
+}
+
+async function refresh() {
+  try {
+    const [cache, metrics] = await Promise.all([api("/v1/cache"), api("/metrics")]);
+    if (!cache.ok) throw new Error(await errorText(cache));
+    if (!metrics.ok) throw new Error(await errorText(metrics));
+    const view = await cache.json();
+    remember(parseMetrics(await metrics.text()));
+    showStore(view);
+    showStreams(view.pool);
+    showChains(view);
+    showRates();
+    $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    document.body.dataset.refreshes = Number(document.body.dataset.refreshes || 0) + 1;
+  } catch (error) {
+    $("updated").textContent = `not updated: ${error.message}`;
+  }
+  setTimeout(refresh, REFRESH_MS);
+}
+
+refresh();
