@@ -21,6 +21,7 @@ from kvserve.cache.chat_marks import MarkKind, mark_messages
 from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.page_cache import PageCache
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.context import Context, ContextParams
 from kvserve.llama.model import Model
 from kvserve.llama.seq_state import SeqState
@@ -88,7 +89,7 @@ def _window_held(pool: StreamPool, seq: int, n: int) -> None:
 
 
 def _run_conversation(pool: StreamPool, prompt: list[int]) -> Session:
-    session = pool.new_session(prompt)
+    session = pool.new_session(PrefixKey("", prompt))
     _next(pool, session, prompt[session.n_past :])
     pool.end_session(session)
     return session
@@ -107,8 +108,8 @@ def test_a_stream_is_cut_back_in_place_only_while_it_holds_the_window(gemma: Mod
     assert pos_min <= near - TINY_SWA + 1 and pos_min > far - TINY_SWA + 1
 
     prompt = held[:near] + _tokens(20, 2)
-    assert pool.resident_match(prompt) == near
-    session = pool.new_session(prompt)
+    assert pool.resident_match(PrefixKey("", prompt)) == near
+    session = pool.new_session(PrefixKey("", prompt))
     assert session.seq == first.seq and session.n_past == near
     _window_held(pool, session.seq, near)
     got = _next(pool, session, prompt[near:])
@@ -116,8 +117,8 @@ def test_a_stream_is_cut_back_in_place_only_while_it_holds_the_window(gemma: Mod
     _assert_as_scratch(got, _scratch(gemma, prompt))
 
     prompt = held[:far] + _tokens(20, 3)
-    assert pool.resident_match(prompt) == 0  # refused: the token at 100 would miss rows 69..pos_min-1
-    session = pool.new_session(prompt)
+    assert pool.resident_match(PrefixKey("", prompt)) == 0  # refused: the token at 100 would miss rows 69..pos_min-1
+    session = pool.new_session(PrefixKey("", prompt))
     assert session.n_past == 0
     pool.end_session(session)
     pool.close()
@@ -131,7 +132,7 @@ def test_a_full_size_window_cache_cuts_back_anywhere(gemma: Model) -> None:
     first = _run_conversation(pool, held)
     assert pool.ctx.seq_pos_min(first.seq) == 0
     prompt = held[:100] + _tokens(20, 3)
-    session = pool.new_session(prompt)
+    session = pool.new_session(PrefixKey("", prompt))
     assert session.seq == first.seq and session.n_past == 100
     _window_held(pool, session.seq, 100)
     got = _next(pool, session, prompt[100:])
@@ -155,7 +156,7 @@ def _stop_at(pool: StreamPool, cache: PageCache, prompt: list[int], stop: int) -
 
 def _attach_in_another_stream(pool: StreamPool, cache: PageCache, prompt: list[int], n: int):
     session = pool.new_session()
-    assert cache.attach(session, prompt) == n
+    assert cache.attach(session, PrefixKey("", prompt)) == n
     _window_held(pool, session.seq, n)
     got = _next(pool, session, prompt[n:])
     pool.end_session(session)
@@ -169,7 +170,7 @@ def test_a_window_kept_at_a_mark_is_attached_in_another_stream(gemma: Model) -> 
     assert cache.checkpoint_at(Session(0), prompt_a, 0, len(system)) == stop
     _stop_at(pool, cache, prompt_a, stop)
     assert cache.windows_filled == 0  # new pages carry the window's rows as read
-    assert cache.match_len(prompt_b) == stop
+    assert cache.match_len(PrefixKey("", prompt_b)) == stop
     assert cache.checkpoint_at(Session(0), prompt_b, 0, len(system)) == 0  # nothing left to keep there
     _assert_as_scratch(_attach_in_another_stream(pool, cache, prompt_b, stop), _scratch(gemma, prompt_b))
     cache.release()
@@ -183,7 +184,7 @@ def test_without_a_stop_the_prefix_is_refused(gemma: Model) -> None:
     _next(pool, session, system + _tokens(30, 5))
     cache.insert(session, session.tokens)
     pool.end_session(session)
-    assert cache.match_len(system + _tokens(25, 6)) == 0  # the pages lack the window before 192
+    assert cache.match_len(PrefixKey("", system + _tokens(25, 6))) == 0  # the pages lack the window before 192
     cache.release()
     pool.close()
 
@@ -197,9 +198,9 @@ def test_a_window_is_read_alone_into_pages_already_cached(gemma: Model) -> None:
     _next(pool, session, system + _tokens(30, 5))
     cache.insert(session, session.tokens)
     pool.end_session(session)
-    path = cache.tree.match(system, stop // PAGE)
+    path = cache.tree.match(PrefixKey("", system), stop // PAGE)
     before = sum(cache.store.peek(node).nbytes for node in path)
-    assert cache.match_len(system + _tokens(25, 6)) == 0
+    assert cache.match_len(PrefixKey("", system + _tokens(25, 6))) == 0
 
     _stop_at(pool, cache, system + _tokens(40, 7), stop)
     assert cache.windows_filled == 1
@@ -209,7 +210,7 @@ def test_a_window_is_read_alone_into_pages_already_cached(gemma: Model) -> None:
     assert cache.bytes_used <= cache.budget_bytes
 
     prompt_b = system + _tokens(25, 6)
-    assert cache.match_len(prompt_b) == stop
+    assert cache.match_len(PrefixKey("", prompt_b)) == stop
     _assert_as_scratch(_attach_in_another_stream(pool, cache, prompt_b, stop), _scratch(gemma, prompt_b))
     cache.release()
     pool.close()
@@ -219,7 +220,7 @@ def test_a_window_that_does_not_fit_the_budget_is_not_kept(gemma: Model) -> None
     pool, cache = _pool(gemma, budget=1)
     system = _tokens(203, 4)
     _stop_at(pool, cache, system + _tokens(30, 5), 192)
-    assert cache.bytes_used == 0 and cache.match_len(system + _tokens(25, 6)) == 0
+    assert cache.bytes_used == 0 and cache.match_len(PrefixKey("", system + _tokens(25, 6))) == 0
     pool.close()
 
 
@@ -277,7 +278,7 @@ def test_a_cut_past_the_window_fails_the_comparison(gemma: Model, monkeypatch: p
     held = _tokens(400, 1)
     _run_conversation(pool, held)
     prompt = held[:100] + _tokens(20, 3)
-    session = pool.new_session(prompt)
+    session = pool.new_session(PrefixKey("", prompt))
     assert session.n_past == 100  # cut back although the stream lacks the window's rows
     with pytest.raises(AssertionError):
         _window_held(pool, session.seq, 100)  # llama.cpp's positions say so
