@@ -145,9 +145,9 @@ class PageCache(PrefixCache):
         if not self.rows.n_swa:
             return 0
         stop = mark // self.page_rows * self.page_rows
-        if not matched < stop < len(tokens) or self.match_len(PrefixKey(session.namespace, tokens[: stop + 1])) == stop:
+        if not matched < stop < len(tokens):
             return 0
-        return stop
+        return 0 if self.match_len(PrefixKey(session.namespace, tokens[: stop + 1])) == stop else stop
 
     # -- donation -----------------------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class PageCache(PrefixCache):
     def _keep_window(self, session: Session, n: int) -> None:
         """Make the pages before `n`, where the session stands, hold the window's rows for position
         `n` (read alone from the stream) unless they do, or the budget cannot take them."""
-        path = self.tree.match(PrefixKey(session.namespace, session.tokens), n // self.page_rows)  # locked by `insert`
+        path = self.tree.match(PrefixKey(session.namespace, session.tokens), n // self.page_rows)  # `insert` locked it
         pages = [self.store.peek(node) for node in path]
         if len(path) * self.page_rows != n or self.rows.restorable(pages, n):
             return
