@@ -21,6 +21,7 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 
 from conftest import serve, served
+from kvserve.reply import ReplyPlan
 from kvserve.scheduler.request import Delta, FinishReason, RequestOutput, Usage
 from kvserve.server.messages_api.events import MessageEvents, MessageHead
 from kvserve.testing import read_metrics
@@ -129,7 +130,7 @@ def test_events_of_odd_endings() -> None:
     block; a length stop short of max_tokens is the context running out; a stop string is named;
     a decode failure after the start ends the stream with an error event."""
     def sent(*outputs: RequestOutput) -> tuple[list[dict], MessageEvents]:
-        events = MessageEvents(MessageHead(MODEL, input_tokens=7, max_tokens=10), tools=None)
+        events = MessageEvents(MessageHead(MODEL, input_tokens=7, max_tokens=10), ReplyPlan())
         return events.started() + [e for o in outputs for e in events.feed(o)], events
 
     usage = Usage(prompt_tokens=7, completion_tokens=1, cached_tokens=4, queue_seconds=0.0)

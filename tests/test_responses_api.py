@@ -16,6 +16,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from conftest import serve
+from kvserve.reply import ReplyPlan
 from kvserve.scheduler.request import Delta, RequestOutput
 from kvserve.server.responses_api.bodies import ResponseHead
 from kvserve.server.responses_api.events import ResponseEvents
@@ -177,7 +178,7 @@ def test_json_schema_format_is_enforced(client: openai.OpenAI) -> None:
 
 
 def test_a_failure_mid_stream_closes_the_item_then_fails_the_response() -> None:
-    events = ResponseEvents(ResponseHead(CreateResponse(input="hi"), MODEL), logprobs=None, tools=None)
+    events = ResponseEvents(ResponseHead(CreateResponse(input="hi"), MODEL), logprobs=None, reply=ReplyPlan())
     sent = events.started() + events.feed(RequestOutput("r", [Delta(0, "Hel")])) + events.feed(
         RequestOutput("r", [], error="llama_decode failed"))
     for event in sent:
@@ -339,13 +340,14 @@ BAD = {
     "hosted-tool": ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, "tools", "web_search_preview"),
     "image": ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
               "input[0].content[0]", "text only"),
-    "reasoning-item": ({"input": [{"type": "reasoning", "id": "r", "summary": []}]}, "input[0]", "input items"),
+    "item-type": ({"input": [{"type": "web_search_call", "id": "w"}]}, "input[0]", "input items"),
+    "reasoning-only": ({"input": [{"type": "reasoning", "id": "r", "summary": []}]}, "input", "empty"),
     "no-role": ({"input": [{"type": "message", "content": "hi"}]}, "input[0].role", "role"),
     "empty": ({"input": []}, "input", "empty"),
     "truncation-auto": ({"input": "hi", "truncation": "auto"}, "truncation", "truncation"),
     "background": ({"input": "hi", "background": True}, "background", "background"),
     "conversation": ({"input": "hi", "conversation": "conv_1"}, "conversation", "conversation"),
-    "reasoning-effort": ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning", "reason"),
+    "reasoning-effort": ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "high"),
     "temperature": ({"input": "hi", "temperature": 3}, "temperature", "temperature"),
     "max_output_tokens": ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     "metadata": ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "16"),

@@ -12,7 +12,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import httpx
 import pytest
@@ -73,9 +73,12 @@ def _screenshot(page, name: str) -> None:
         page.screenshot(path=str(Path(SCREENSHOTS) / name))
 
 
+def _sse_lines(lines: Iterable[str]) -> Iterator[dict]:
+    return (json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]")
+
+
 def _sse(body: bytes) -> list[dict]:
-    return [json.loads(line[6:]) for line in body.decode().splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return list(_sse_lines(body.decode().splitlines()))
 
 
 def _send(page, text: str) -> dict:
@@ -162,6 +165,50 @@ def test_the_cache_view_shows_the_chain_and_the_streams(chat, page, url: str) ->
     assert shown == pytest.approx(100 * usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"], abs=0.05)
     assert shown > 0
     _screenshot(page, "cache.png")
+
+
+def test_the_cache_view_shows_a_running_request_as_a_live_stream(chat, page, url: str) -> None:
+    body = {"max_tokens": 2000, "ignore_eos": True, "stream": True, "prompt": "One, two, three,"}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as running:
+        events = _sse_lines(running.iter_lines())  # held: closing it would close the stream, and end the request
+        next(e for e in events if e["choices"][0]["text"])  # it decodes
+        page.goto(f"{url}/ui/cache")
+        live = page.locator("#streams .stream.live")
+        live.wait_for()
+        assert live.count() == 1 and int(live.locator(".tokens").inner_text().split()[0]) > 0
+    # the client left: the server frees the stream within a step, and the view shows it idle again
+    page.locator("#streams .stream.live").wait_for(state="detached")
+
+
+def test_the_playground_shows_tool_calls_as_calls_and_reasoning_folded(page, url: str) -> None:
+    """What the API streams for a tool call and for reasoning (answered here by the test, as the
+    served model does neither), drawn as a call and as a closed block."""
+    head = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+    deltas = [{"role": "assistant", "content": ""}, {"reasoning_content": "The user wants "},
+              {"reasoning_content": "the weather."},
+              {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": ""}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}]
+    chunks = [{**head, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({**head, "choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 12, "total_tokens": 42,
+                                                    "prompt_tokens_details": {"cached_tokens": 16}}})
+    sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(body=sse, content_type="text/event-stream"))
+    page.goto(f"{url}/")
+    page.fill("#prompt", "Weather in Paris?")
+    page.press("#prompt", "Enter")
+    answer = page.locator(".message.assistant[data-done]")
+    answer.wait_for()
+    assert answer.locator(".tool-call").inner_text() == 'get_weather({"city": "Paris"})'
+    reasoning = answer.locator("details.reasoning")
+    assert reasoning.get_attribute("open") is None and reasoning.locator("summary").inner_text() == "reasoning"
+    reasoning.locator("summary").click()
+    assert reasoning.locator("div").inner_text() == "The user wants the weather."
+    assert answer.locator("[data-stat=cached]").inner_text() == "16 cached"
+    page.reload()  # kept in the browser: the conversation, its call and its numbers come back
+    assert page.locator(".message.assistant .tool-call").inner_text() == 'get_weather({"city": "Paris"})'
+    assert page.locator(".message.assistant [data-stat=prompt]").inner_text() == "30 prompt tokens"
 
 
 def _big_cache(chains: int) -> dict:

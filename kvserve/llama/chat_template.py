@@ -6,6 +6,7 @@ import copy
 import json
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from jinja2.exceptions import TemplateError
@@ -49,13 +50,16 @@ class ChatTemplate:
         self.source = source
         self._template = env.from_string(source)
         self._tools: list[dict[str, Any]] | None = None
+        self._kwargs: dict[str, Any] = {}
         self.bos_token = bos_token
         self.eos_token = eos_token
 
     @classmethod
-    def from_model(cls, model: Model) -> "ChatTemplate":
+    def from_model(cls, model: Model, source_file: Path | None = None) -> "ChatTemplate":
+        """The model's template, or the one in `source_file` instead."""
+        source = source_file.read_text() if source_file is not None else model.chat_template()
         return cls(
-            model.chat_template() or _CHATML,
+            source or _CHATML,
             bos_token=model.token_text(model.bos) if model.bos >= 0 else "",
             eos_token=model.token_text(model.eos) if model.eos >= 0 else "",
         )
@@ -67,6 +71,13 @@ class ChatTemplate:
         bound._tools = tools
         return bound
 
+    def with_kwargs(self, kwargs: dict[str, Any]) -> "ChatTemplate":
+        """This template with `kwargs` as more variables of its context (`enable_thinking`,
+        `reasoning_effort`, ...); the messages, tools and generation flag are not overridden."""
+        bound = copy.copy(self)
+        bound._kwargs = {**self._kwargs, **kwargs}
+        return bound
+
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt text; rendering stops with ChatTemplateError past RENDER_MAX_CHARS or
         RENDER_MAX_SECONDS (checked between the pieces jinja2 emits)."""
@@ -74,13 +85,10 @@ class ChatTemplate:
         pieces: list[str] = []
         size = 0
         try:
-            for piece in self._template.generate(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **({"tools": self._tools} if self._tools else {}),
-            ):
+            context = {**self._kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                       "bos_token": self.bos_token, "eos_token": self.eos_token,
+                       **({"tools": self._tools} if self._tools else {})}
+            for piece in self._template.generate(**context):
                 pieces.append(piece)
                 size += len(piece)
                 if size > RENDER_MAX_CHARS or time.monotonic() > deadline:

@@ -131,6 +131,10 @@ class Model:
         """The text of `tokens`; `special` spells out control tokens (<|im_start|>) instead of dropping them."""
         return b"".join(self.piece(t, special=special) for t in tokens).decode("utf-8", errors="replace")
 
+    def is_one_token(self, text: str) -> bool:
+        """The vocabulary spells `text` as one token."""
+        return len(self.tokenize(text, add_special=False, parse_special=True)) == 1
+
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 

@@ -94,6 +94,10 @@ class Sampler:
         """Pick the next token from the logits of batch entry `index` and remember it."""
         return llama_cpp.llama_sampler_sample(self._chain, ctx.ptr, index)
 
+    def accept(self, token: int) -> None:
+        """Remember a token chosen without sampling (one the server forced), as `sample` remembers its own."""
+        llama_cpp.llama_sampler_accept(self._chain, token)
+
     def close(self) -> None:
         """Free the chain and every stage it took ownership of."""
         if self._chain is not None:

@@ -24,6 +24,7 @@ from kvserve.scheduler.queues import Queues
 from kvserve.scheduler.request import Choice, FinishReason, Request
 from kvserve.scheduler.step_output import StepOutputs
 from kvserve.scheduler.stop_strings import StopMatcher
+from kvserve.scheduler.thinking import ThinkingWatch
 
 # A waiting request passed over this many times by cache-aware admission goes first regardless.
 STARVATION_LIMIT = 8
@@ -61,7 +62,7 @@ class Admission:
             if _open_choices(request) > self.free_slots():
                 request.state.blocked_on = "a free slot"
                 break
-            cached = self.kv.cached_len(request.prompt)
+            cached = self.kv.cached_len(request.key)
             if self._waits_for_a_running_prefill(request, cached):
                 request.state.blocked_on = "a running prefill of the same prefix to donate it"
                 continue
@@ -86,7 +87,7 @@ class Admission:
             return window
         starved = [r for r in window if r.state.passed_over >= STARVATION_LIMIT]
         rest = sorted((r for r in window if r.state.passed_over < STARVATION_LIMIT),
-                      key=lambda r: self.kv.cached_len(r.prompt), reverse=True)  # stable: ties keep arrival order
+                      key=lambda r: self.kv.cached_len(r.key), reverse=True)  # stable: ties keep arrival order
         return starved + rest
 
     def _count_passed_over(self, admitted: list[Request]) -> None:
@@ -99,10 +100,13 @@ class Admission:
                 request.state.passed_over += 1
 
     def _waits_for_a_running_prefill(self, request: Request, cached: int) -> bool:
-        """A request whose prompt shares more than a page beyond what is cached with a prompt being
-        prefilled right now waits for that prefill to donate, instead of computing the same prefix."""
+        """A request whose prompt shares more than a page beyond what is cached with a prompt of its
+        namespace being prefilled right now waits for that prefill to donate, instead of computing
+        the same prefix."""
         for other in self.queues.running:
             first = other.state.choices[0]
+            if other.namespace != request.namespace:
+                continue  # its donation is of another namespace: nothing to wait for
             if first.session is not None and first.session.n_past < len(other.prompt):
                 if self.kv.gains_from_waiting(common_prefix(request.prompt, other.prompt), cached):
                     return True
@@ -133,6 +137,7 @@ class Admission:
             sampler=Sampler(model, request.params),
             detokenizer=Detokenizer(model, special=request.special_text),
             stop_matcher=StopMatcher(request.stop_strings),
+            thinking=ThinkingWatch(request.thinking) if request.thinking is not None else None,
         )
 
 

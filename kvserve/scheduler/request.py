@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 from kvserve.cache.chat_marks import Mark, MarkKind
 from kvserve.cache.kv_pool import Session
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.detokenizer import Detokenizer
 from kvserve.llama.sampler import Sampler, SamplingParams, TokenLogprobs
 from kvserve.scheduler.stop_strings import StopMatcher
+from kvserve.scheduler.thinking import ThinkingLimit, ThinkingWatch
 
 
 class FinishReason(str, enum.Enum):
@@ -52,8 +54,14 @@ class Request:
     marks: list[Mark] = field(default_factory=list)  # where a chat prompt's prefill may stop for a checkpoint
     special_text: bool = False  # the text spells out special tokens (a tool-call marker may be one)
     namespace: str = ""  # whose cached rows it may use and adds to ("": the shared default; see server/namespace.py)
+    thinking: ThinkingLimit | None = None  # a reply that thinks first: watched, and closed at its budget
     arrival: float = field(default_factory=time.monotonic)
     state: RequestState = field(default_factory=RequestState, init=False, repr=False)
+
+    @property
+    def key(self) -> PrefixKey:
+        """What the prefix cache knows the prompt by."""
+        return PrefixKey(self.namespace, self.prompt)
 
 
 @dataclass(eq=False)
@@ -74,6 +82,7 @@ class Choice:
     detokenizer: Detokenizer
     stop_matcher: StopMatcher
     session: Session | None = None
+    thinking: ThinkingWatch | None = None
     waits_for_fork: bool = False  # a sibling of choice 0 that will share its prompt
     forked: bool = False  # it shares choice 0's prompt cells, so it never donates them
     n_generated: int = 0
@@ -110,6 +119,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     queue_seconds: float
+    reasoning_tokens: int = 0  # of completion_tokens, those generated while thinking
 
 
 @dataclass

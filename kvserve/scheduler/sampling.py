@@ -5,7 +5,9 @@ Invariants:
   nor as logprobs (unless the request ignores it);
 - nothing at or after a stop string reaches the client; a choice that ends otherwise emits the text
   held back for a possible stop string or a character split across tokens;
-- a choice ends with `length` at its `max_tokens` or at the longest sequence the context allows.
+- a choice ends with `length` at its `max_tokens` or at the longest sequence the context allows;
+- a choice whose thinking spent its budget takes the close text's tokens instead of sampling
+  (`thinking.ThinkingWatch`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ class Sampling:
 
     def take_token(self, request: Request, choice: Choice, row: int, outputs: StepOutputs) -> None:
         """Sample the choice's next token from logits row `row` and emit it."""
-        token = choice.sampler.sample(self.ctx, row)
+        forced = choice.thinking.forced_token() if choice.thinking is not None else None
+        if forced is None:
+            token = choice.sampler.sample(self.ctx, row)
+        else:
+            token = forced
+            choice.sampler.accept(token)
         choice.tokens.append(token)
         choice.n_generated += 1
         delta = outputs.delta(request, choice)
@@ -33,7 +40,10 @@ class Sampling:
         if request.logprobs is not None:
             delta.logprobs.append(token_logprobs(self.ctx.logits(row), token, request.logprobs))
         delta.token_ids.append(token)
-        delta.text += choice.stop_matcher.feed(choice.detokenizer.feed(token))
+        text = choice.detokenizer.feed(token)
+        if choice.thinking is not None:
+            choice.thinking.observe(text)
+        delta.text += choice.stop_matcher.feed(text)
         if choice.stop_matcher.matched is not None:
             choice.end(FinishReason.STOP)
             delta.finish_reason = FinishReason.STOP

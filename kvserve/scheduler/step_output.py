@@ -38,6 +38,7 @@ class StepOutputs:
             completion_tokens=sum(c.n_generated for c in request.state.choices),
             cached_tokens=request.state.cached_tokens,
             queue_seconds=(request.state.admitted_at or time.monotonic()) - request.arrival,
+            reasoning_tokens=sum(c.thinking.tokens for c in request.state.choices if c.thinking is not None),
         )
 
     def _of(self, request: Request) -> RequestOutput:

@@ -14,10 +14,13 @@ from kvserve.cache.chat_marks import Mark, mark_messages
 from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import GrammarError, Sampler, SamplingParams
+from kvserve.reply import ReasoningFormat, ReasoningSyntax, ReplyPlan, syntax_for
 from kvserve.scheduler.engine import Engine
+from kvserve.scheduler.thinking import ThinkingLimit
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.server.errors import context_length_exceeded, invalid, invalid_body
+from kvserve.server.namespace import request_namespace
 from kvserve.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +31,7 @@ from kvserve.server.schemas import (
 )
 from kvserve.tools import ChatTurn, HistoryCall, ToolPlan, plan_tools, template_messages
 from kvserve.tools.formats import ToolFormat, detect_format
+from kvserve.tools.grammar import Thinking
 from kvserve.tools.schema_budget import check_grammar_text, check_schema
 from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, ToolError
 
@@ -37,6 +41,11 @@ class ChatPrompt:
     tokens: list[int]
     marks: list[Mark]  # for a model that carries state: the marks worth a checkpoint
     tools: ToolPlan | None  # how the reply calls tools; None: it is plain text
+    reasoning: ReasoningSyntax | None = None  # how the reply carries its thinking; None: it does not
+
+    @property
+    def reply(self) -> ReplyPlan:
+        return ReplyPlan(self.reasoning, self.tools)
 
 
 def chat_turns(body: ChatCompletionRequest) -> list[ChatTurn]:
@@ -47,6 +56,7 @@ def chat_turns(body: ChatCompletionRequest) -> list[ChatTurn]:
             content=m.text(),
             tool_calls=tuple(HistoryCall(c.id, c.function.name, c.function.arguments_text) for c in m.tool_calls or ()),
             tool_call_id=m.tool_call_id,
+            reasoning=m.reasoning_content or "",
         )
         for m in body.messages
     ]
@@ -85,26 +95,48 @@ def _tool_choice(choice: ToolChoiceField | None) -> ToolChoice:
     return ToolChoice(Mode(allowed.mode), tuple(t.function.name for t in allowed.tools))
 
 
-def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest) -> ChatPrompt:
-    """The prompt of a chat body, with the tools it may call: the same for serving and for the
-    routes that only look at prompts."""
-    return turns_prompt(model, template, chat_turns(body), chat_tools(model, detect_format(template.source), body))
+def chat_prompt(model: Model, template: ChatTemplate, body: ChatCompletionRequest,
+                reasoning: ReasoningFormat = ReasoningFormat.NONE) -> ChatPrompt:
+    """The prompt of a chat body, with the tools it may call and the template variables it sets:
+    the same for serving and for the routes that only look at prompts."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    template = template.with_kwargs(kwargs) if kwargs else template
+    tools = chat_tools(model, detect_format(template.source), body)
+    return turns_prompt(model, template, chat_turns(body), tools, reasoning=reasoning)
 
 
 def turns_prompt(model: Model, template: ChatTemplate, turns: list[ChatTurn], plan: ToolPlan | None,
-                 param: str = "messages") -> ChatPrompt:
-    """The prompt of a conversation (any API's, as turns) whose reply may call tools by `plan`;
-    a template that refuses it is a 400 naming `param`."""
+                 param: str = "messages", reasoning: ReasoningFormat = ReasoningFormat.NONE) -> ChatPrompt:
+    """The prompt of a conversation (any API's, as turns) whose reply may call tools by `plan` and
+    carry its thinking in `reasoning`; a template that refuses it is a 400 naming `param`. Where
+    the reply thinks, the tool grammar waits for the thinking to close."""
     messages = template_messages(detect_format(template.source), turns)
     if plan is not None:
         template, messages = plan.template(template), plan.prompt_messages(messages)
     try:
         if model.info.carries_state:
             turn = mark_messages(model, template, messages)
-            return ChatPrompt(turn.tokens, turn.checkpoint_marks(), plan)
-        return ChatPrompt(text_tokens(model, template.render(messages), template.bos_token), [], plan)
+            tokens, marks = turn.tokens, turn.checkpoint_marks()
+        else:
+            tokens, marks = text_tokens(model, template.render(messages), template.bos_token), []
     except ChatTemplateError as exc:
         raise invalid(str(exc), param) from exc
+    syntax = syntax_for(reasoning, model.detokenize(tokens[-_TAIL_TOKENS:], special=True))
+    if plan is not None and syntax is not None:
+        plan = plan.after_thinking(_placement(syntax))
+    return ChatPrompt(tokens, marks, plan, syntax)
+
+
+_TAIL_TOKENS = 16  # enough of a prompt's end to see a thinking block it opened
+
+
+def _placement(syntax: ReasoningSyntax) -> Thinking | None:
+    """Where the tool grammar finds the thinking; None for harmony, whose calls it cannot describe."""
+    if syntax.format is not ReasoningFormat.DEEPSEEK:
+        return None
+    return Thinking.OPEN if syntax.starts_open else Thinking.OPTIONAL
 
 
 def text_tokens(model: Model, text: str, bos_text: str = "") -> list[int]:
@@ -137,13 +169,22 @@ async def prompt_tokens(
     return await asyncio.to_thread(completion_prompt, model, body)
 
 
-async def body_prompt(model: Model, template: ChatTemplate, body: dict) -> list[int]:
-    """`prompt_tokens` of a raw body: a chat when it has `messages`, else a completion."""
+def parse_body(body: dict) -> ChatCompletionRequest | CompletionRequest:
+    """A raw body as a chat when it has `messages`, else as a completion; a 400 where it is neither."""
     try:
-        parsed = (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
+        return (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
     except ValidationError as exc:
         raise invalid_body(exc.errors()) from exc
-    return await prompt_tokens(model, template, parsed)
+
+
+async def body_prompt(model: Model, template: ChatTemplate, body: dict) -> list[int]:
+    """`prompt_tokens` of a raw body: a chat when it has `messages`, else a completion."""
+    return await prompt_tokens(model, template, parse_body(body))
+
+
+def job_namespace(body: Sampling, tenant: str | None) -> str:
+    """The cache namespace a body is served in, for the caller `tenant` (None: shared)."""
+    return request_namespace(tenant=tenant, cache_salt=body.cache_salt)
 
 
 def grammar_for(response_format: ResponseFormat | None) -> str | None:
@@ -197,6 +238,8 @@ def with_tool_grammar(model: Model, params: SamplingParams, tools: ToolPlan) -> 
     """`params` constrained by the tool plan's grammar (lazy where it has triggers); a grammar
     llama.cpp rejects is a 400 naming `tools`."""
     grammar = tools.grammar
+    if grammar is None:
+        return params
     params = replace(params, grammar=grammar.gbnf, grammar_trigger_patterns=grammar.trigger_patterns,
                      grammar_trigger_tokens=grammar.trigger_tokens)
     _check_grammar(model, params, "tools")
@@ -212,22 +255,35 @@ def _check_grammar(model: Model, params: SamplingParams, param: str) -> None:
         raise invalid(str(exc), param) from exc
 
 
-async def chat_job(engine: Engine, body: ChatCompletionRequest) -> tuple[Request, ToolPlan | None]:
-    """The scheduler request a chat body is served as, and how its reply calls tools (None: it is text)."""
-    prompt = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body)
+async def chat_job(engine: Engine, body: ChatCompletionRequest, *, tenant: str | None) -> tuple[Request, ReplyPlan]:
+    """The scheduler request a chat body is served as for the caller `tenant`, and how its reply is
+    read (its thinking, its tool calls)."""
+    prompt = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body, engine.reasoning)
     params = await asyncio.to_thread(chat_sampling, engine.model, body, prompt.tools)  # grammars: off the loop
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    special = prompt.reasoning is not None or (prompt.tools is not None and prompt.tools.special_text)
     job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl", "messages",
-                        marks=prompt.marks, special_text=prompt.tools is not None and prompt.tools.special_text)
-    return job, prompt.tools
+                        tenant=tenant, marks=prompt.marks, special_text=special,
+                        thinking=thinking_limit(engine, prompt.reasoning, body.reasoning_budget))
+    return job, prompt.reply
+
+
+def thinking_limit(engine: Engine, syntax: ReasoningSyntax | None, budget: int | None) -> ThinkingLimit | None:
+    """How the engine watches a thinking reply: the request's budget, else `--reasoning-budget`."""
+    if syntax is None:
+        return None
+    budget = engine.settings.reasoning_budget if budget is None else budget
+    close = engine.model.tokenize(syntax.close_text, add_special=False, parse_special=True)
+    return ThinkingLimit(syntax, None if budget < 0 else budget, tuple(close))
 
 
 def build_request(
     prompt: list[int], body: Sampling, params: SamplingParams, logprobs: int | None, limits: SchedulerConfig,
-    prefix: str, param: str, marks: list[Mark] | None = None, special_text: bool = False,
+    prefix: str, param: str, *, tenant: str | None, marks: list[Mark] | None = None, special_text: bool = False,
+    thinking: ThinkingLimit | None = None,
 ) -> Request:
-    """The request for `prompt`; a prompt that is empty or leaves no room is a 400 naming `param`,
-    the field of the body that holds it."""
+    """The request for `prompt`, in the cache namespace of `tenant` and the body's salt; a prompt
+    that is empty or leaves no room is a 400 naming `param`, the field of the body that holds it."""
     if body.n > limits.max_running:  # its choices decode side by side: they could never all be admitted
         raise invalid(f"n is {body.n}, but this server runs at most {limits.max_running} sequences at once", "n")
     max_seq_len = limits.max_seq_len
@@ -247,4 +303,6 @@ def build_request(
         ignore_eos=body.ignore_eos,
         marks=marks or [],
         special_text=special_text,
+        namespace=job_namespace(body, tenant),
+        thinking=thinking,
     )

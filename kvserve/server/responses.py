@@ -12,7 +12,8 @@ from kvserve.llama.model import Model
 from kvserve.llama.sampler import TokenLogprobs
 from kvserve.scheduler.request import Delta, Request, RequestOutput, Usage
 from kvserve.server.errors import engine_error, error_body
-from kvserve.tools import CallStarted, ContentDelta, ToolCallParser, ToolEvent, ToolPlan
+from kvserve.reply import Ended, ReasoningDelta, ReplyEvent, ReplyPlan, ReplyReader
+from kvserve.tools import CallStarted, ContentDelta
 
 
 def sse(data: dict | str) -> str:
@@ -30,6 +31,7 @@ def usage_body(usage: Usage) -> dict:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -40,7 +42,7 @@ class Shape:
     chat: bool
     model_name: str
     request: Request
-    tools: ToolPlan | None = None  # a chat whose reply may call tools
+    reply: ReplyPlan = field(default_factory=ReplyPlan)  # how a chat's reply is read: reasoning, tools
     created: int = field(default_factory=lambda: int(time.time()))
     finish_reasons: list[str] = field(default_factory=list)  # each choice's, as its body said it, once said
 
@@ -106,7 +108,9 @@ class _ChoiceText:
 
 
 async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs: LogprobFormatter) -> dict:
-    """A whole (non-streamed) response."""
+    """A whole (non-streamed) response: for chat, its stream's chunks collected."""
+    if shape.chat:
+        return await _collect_chat(shape, outputs, logprobs)
     choices = [_ChoiceText() for _ in range(shape.request.n)]
     usage: Usage | None = None
     async for output in outputs:
@@ -121,39 +125,62 @@ async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs:
     want_logprobs = shape.request.logprobs is not None
     body_choices = []
     for index, c in enumerate(choices):
-        if shape.chat:
-            message, reason = _chat_message(c.text, c.finish_reason, shape.tools)
-            entry = {
-                "index": index,
-                "message": message,
-                "logprobs": {"content": logprobs.chat(c.logprobs)} if want_logprobs else None,
-                "finish_reason": reason,
-            }
-        else:
-            entry = {
-                "index": index,
-                "text": c.text,
-                "logprobs": logprobs.text(c.logprobs, logprobs.offsets()) if want_logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-        body_choices.append(entry)
-        shape.finish_reasons.append(entry["finish_reason"])
+        body_choices.append({
+            "index": index,
+            "text": c.text,
+            "logprobs": logprobs.text(c.logprobs, logprobs.offsets()) if want_logprobs else None,
+            "finish_reason": c.finish_reason,
+        })
+        shape.finish_reasons.append(c.finish_reason)
     return {**shape.head(), "choices": body_choices, "usage": usage_body(usage)}
 
 
-def _chat_message(text: str, reason: str | None, tools: ToolPlan | None) -> tuple[dict, str | None]:
-    """The assistant message of a whole reply and its finish reason; read by the same parser as a
-    stream, so both agree whatever the split."""
-    if tools is None:
-        return {"role": "assistant", "content": text}, reason
-    parser = tools.read(text)
-    calls = parser.calls
-    message: dict = {"role": "assistant", "content": parser.content or (None if calls else "")}
-    if calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
-        ]
-    return message, parser.finish_reason(reason) if reason else reason
+@dataclass
+class _Message:
+    """A chat choice folded from its chunks' deltas."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[dict] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, choice: dict) -> None:
+        delta = choice["delta"]
+        self.content += delta.get("content") or ""
+        self.reasoning += delta.get("reasoning_content") or ""
+        for call in delta.get("tool_calls", []):
+            if "id" in call:
+                self.calls.append({"id": call["id"], "type": "function",
+                                   "function": {"name": call["function"]["name"], "arguments": ""}})
+            self.calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+        if choice["logprobs"] is not None:
+            self.logprobs += choice["logprobs"]["content"]
+        self.finish_reason = choice["finish_reason"] or self.finish_reason
+
+    def body(self, index: int, want_logprobs: bool) -> dict:
+        message: dict = {"role": "assistant", "content": self.content or (None if self.calls else "")}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        if self.calls:
+            message["tool_calls"] = self.calls
+        return {"index": index, "message": message,
+                "logprobs": {"content": self.logprobs} if want_logprobs else None, "finish_reason": self.finish_reason}
+
+
+async def _collect_chat(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs: LogprobFormatter) -> dict:
+    readers = [shape.reply.reader() for _ in range(shape.request.n)]
+    messages = [_Message() for _ in range(shape.request.n)]
+    usage: Usage | None = None
+    async for output in outputs:
+        if output.error is not None:
+            raise engine_error(output.error, output.status)
+        for delta in output.deltas:
+            for choice in _chat_chunk_choices(shape, delta, logprobs, readers[delta.index]):
+                messages[delta.index].add(choice)
+        usage = output.usage or usage
+    want = shape.request.logprobs is not None
+    return {**shape.head(), "choices": [m.body(i, want) for i, m in enumerate(messages)], "usage": usage_body(usage)}
 
 
 async def stream(
@@ -167,57 +194,56 @@ async def stream(
             delta = {"role": "assistant", "content": ""}
             yield sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra})
     offsets = [logprobs.offsets() for _ in range(shape.request.n)]
-    parsers = [shape.tools.parser() for _ in range(shape.request.n)] if shape.tools else []
+    readers = [shape.reply.reader() for _ in range(shape.request.n)] if shape.chat else []
     async for output in outputs:
         if output.error is not None:
             yield sse(error_body(output.error, type="server_error"))
             break
         for delta in output.deltas:
-            if parsers:
-                for choice in _tool_chunk_choices(shape, delta, logprobs, parsers[delta.index]):
+            if readers:
+                for choice in _chat_chunk_choices(shape, delta, logprobs, readers[delta.index]):
                     yield sse({**head, "choices": [choice], **extra})
             elif delta.text or delta.finish_reason is not None or delta.logprobs:
-                choice = _chunk_choice(shape, delta, logprobs, offsets)
+                choice = _text_chunk_choice(shape, delta, logprobs, offsets)
                 yield sse({**head, "choices": [choice], **extra})
         if output.usage is not None and include_usage:
             yield sse({**head, "choices": [], "usage": usage_body(output.usage)})
     yield sse("[DONE]")
 
 
-def _chunk_choice(shape: Shape, delta: Delta, logprobs: LogprobFormatter, offsets: list[TextOffsets]) -> dict:
+def _text_chunk_choice(shape: Shape, delta: Delta, logprobs: LogprobFormatter, offsets: list[TextOffsets]) -> dict:
     reason = delta.finish_reason.value if delta.finish_reason else None
     if reason is not None:
         shape.finish_reasons.append(reason)
-    want = shape.request.logprobs is not None
-    if shape.chat:
-        lp = {"content": logprobs.chat(delta.logprobs)} if want else None
-        return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": lp,
-                "finish_reason": reason}
-    lp = logprobs.text(delta.logprobs, offsets[delta.index]) if want else None
+    lp = logprobs.text(delta.logprobs, offsets[delta.index]) if shape.request.logprobs is not None else None
     return {"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": reason}
 
 
-def _tool_chunk_choices(shape: Shape, delta: Delta, logprobs: LogprobFormatter, parser: ToolCallParser) -> list[dict]:
-    """One chunk per event the parser found in this delta: content, a call's head (id, type and
-    whole name, once), or a fragment of its arguments. Logprobs ride on the first chunk, the
-    finish reason on the last."""
-    events = parser.feed(delta.text) + (parser.finish() if delta.finish_reason is not None else [])
-    bodies = [_event_delta(event) for event in events]
-    if not bodies and (delta.finish_reason is not None or delta.logprobs):
+def _chat_chunk_choices(shape: Shape, delta: Delta, logprobs: LogprobFormatter, reader: ReplyReader) -> list[dict]:
+    """One chunk per event the reader found in this delta: content, reasoning, a call's head (id,
+    type and whole name, once), or a fragment of its arguments. Logprobs ride on the first chunk,
+    the finish reason on the last."""
+    events = reader.feed(delta.text)
+    if delta.finish_reason is not None:
+        events += reader.finish(delta.finish_reason.value)
+    ended = next((e for e in events if isinstance(e, Ended)), None)
+    bodies = [_event_delta(event) for event in events if not isinstance(event, Ended)]
+    if not bodies and (ended is not None or delta.logprobs):
         bodies = [{}]
-    want = shape.request.logprobs is not None
     choices = [{"index": delta.index, "delta": body, "logprobs": None, "finish_reason": None} for body in bodies]
-    if choices and want:
+    if choices and shape.request.logprobs is not None:
         choices[0]["logprobs"] = {"content": logprobs.chat(delta.logprobs)}
-    if choices and delta.finish_reason is not None:
-        choices[-1]["finish_reason"] = parser.finish_reason(delta.finish_reason.value)
-        shape.finish_reasons.append(choices[-1]["finish_reason"])
+    if ended is not None:
+        choices[-1]["finish_reason"] = ended.finish_reason
+        shape.finish_reasons.append(ended.finish_reason)
     return choices
 
 
-def _event_delta(event: ToolEvent) -> dict:
+def _event_delta(event: ReplyEvent) -> dict:
     if isinstance(event, ContentDelta):
         return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text}
     if isinstance(event, CallStarted):
         head = {"index": event.index, "id": event.id, "type": "function",
                 "function": {"name": event.name, "arguments": ""}}

@@ -76,6 +76,7 @@ class Message(Body):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this is the result of
+    reasoning_content: str | None = None  # assistant messages: the thinking before the reply, if sent back
 
     @field_validator("tool_call_id")
     @classmethod
@@ -157,6 +158,15 @@ _CHOICE_OBJECT: TypeAdapter = TypeAdapter(
     Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(discriminator="type")])
 
 
+MAX_CACHE_SALT = 256  # characters of a `cache_salt`
+
+
+def cache_salt_field() -> Any:
+    """vLLM's `cache_salt`: requests share cached rows only with requests of the same salt (and tenant)."""
+    return Field(None, min_length=1, max_length=MAX_CACHE_SALT,
+                 description="requests share cached prompt rows only with requests that send the same salt")
+
+
 class Sampling(Body):
     """Fields shared by chat and text completions."""
 
@@ -177,6 +187,7 @@ class Sampling(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = cache_salt_field()
 
     @field_validator("stop")
     @classmethod
@@ -206,6 +217,11 @@ class ChatCompletionRequest(Sampling):
     tools: list[ChatTool] | None = Field(None, min_length=1)
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
+    # Reasoning models: variables for the chat template (`enable_thinking: false`), the effort the
+    # template is told (gpt-oss reads it), and the most tokens the reply may think (-1: no limit).
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_budget: int | None = Field(None, ge=-1)
     # The pre-tools form of function calling: refused rather than ignored, and left out of the
     # OpenAPI document, which describes what is served.
     functions: SkipJsonSchema[list[dict[str, Any]] | None] = None

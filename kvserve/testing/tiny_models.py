@@ -19,7 +19,9 @@ Pro / Qwen 2.5: calls in <tool_call> tags, which this model's vocabulary holds
 as single control tokens, as a Qwen or Mistral vocabulary holds its markers)
 "llama3" (Llama 3.1: the reply is the call's JSON, results come back as
 ipython messages) and "mistral" (Mistral v3: [TOOL_CALLS] and a JSON array of
-calls, [TOOL_CALLS] a single control token too).
+calls, [TOOL_CALLS] a single control token too); two reasoning ones: "hermes-think"
+(Hermes whose generation prompt opens <think>, as Qwen3's does) and "harmony"
+(gpt-oss's message frame, its <|channel|> and kin single control tokens).
 
 Public API: write_tiny_model(arch, path, seed, template) and the per-directory
 cache tiny_model(arch, directory, template), for arch in ARCHS and template in
@@ -170,10 +172,26 @@ _MISTRAL_TEMPLATE = """\
 {% else %}{{ message.content }}</s>{% endif %}
 {% endfor %}"""
 
-TEMPLATES: dict[str, str] = {"hermes": _HERMES_TEMPLATE, "llama3": _LLAMA3_TEMPLATE, "mistral": _MISTRAL_TEMPLATE}
-# The hermes and mistral models' vocabularies spell their markers as single control tokens, in place
-# of SmolLM2's unused ones.
-_MARKER_TOKENS = {"hermes": {4: "<tool_call>", 5: "</tool_call>"}, "mistral": {4: "[TOOL_CALLS]"}}
+# Hermes with thinking, as Qwen3's template does it: the generation prompt opens a <think> block the
+# reply continues (or, with enable_thinking false, writes it empty and closed); past turns' thinking
+# is not rendered.
+_HERMES_THINK_TEMPLATE = _HERMES_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+# gpt-oss's harmony, reduced to its message frame: the reply writes its channels itself.
+_HARMONY_TEMPLATE = """\
+{% for message in messages %}<|start|>{{ message.role }}\
+{% if message.role == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ message.content }}<|end|>\
+{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+TEMPLATES: dict[str, str] = {"hermes": _HERMES_TEMPLATE, "llama3": _LLAMA3_TEMPLATE, "mistral": _MISTRAL_TEMPLATE,
+                             "hermes-think": _HERMES_THINK_TEMPLATE, "harmony": _HARMONY_TEMPLATE}
+# The hermes, mistral and harmony models' vocabularies spell their markers as single control tokens,
+# in place of SmolLM2's unused ones.
+_MARKER_TOKENS = {"hermes": {4: "<tool_call>", 5: "</tool_call>"}, "mistral": {4: "[TOOL_CALLS]"},
+                  "hermes-think": {4: "<tool_call>", 5: "</tool_call>"},
+                  "harmony": {4: "<|channel|>", 5: "<|message|>", 6: "<|start|>", 7: "<|end|>"}}
 
 
 def _tokenizer_with_template(template: str | None) -> list[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]:

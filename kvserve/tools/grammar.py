@@ -26,6 +26,7 @@ names a tool and its arguments are a JSON object; the schema is not enforced on 
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import re
 from dataclasses import dataclass
@@ -65,26 +66,60 @@ def check_parameters(tool: FunctionTool) -> None:
 
 
 def tool_grammar(fmt: ToolFormat, tools: list[FunctionTool], *, required: bool, parallel: bool,
-                 opening_token: int | None) -> ToolGrammar:
+                 opening_token: int | None, thinking: Thinking | None = None) -> ToolGrammar:
     """The grammar for calls to `tools` in `fmt`: from the first token when `required` (or in the
-    generic mode, where the reply is always one JSON object), else lazily from the opening marker."""
+    generic mode, where the reply is always one JSON object), else lazily from the opening marker.
+    A reply that thinks first (`thinking`) gets its `<think>` block before the calls: a grammar
+    from the first token lets it through, and a lazy one's patterns fire only after it closed."""
     for tool in tools:
         check_parameters(tool)
+    head = _THINK_RULES[thinking] if thinking is not None else ("", "")
     if fmt is ToolFormat.GENERIC:
         rules, reply = _converted(tools, fmt.arguments_key, "reply",
                                   lambda call: _generic_reply(call, required, parallel))
-        return ToolGrammar(f"root ::= {reply}\n{rules}")
+        return ToolGrammar(f"root ::= {head[0]}{reply}\n{head[1]}{_WS_RULE}\n{rules}")
     assert tools, "a format with call syntax needs a tool to call"
     rules, call = _converted(tools, fmt.arguments_key, "call", lambda call: call)
     root = _wrapped_root(fmt, call, parallel)
     if required:
-        return ToolGrammar(f"root ::= {root}\n{_WS_RULE}\n{rules}")
+        return ToolGrammar(f"root ::= {head[0]}({root})\n{head[1]}{_WS_RULE}\n{rules}")
     patterns = (_trigger_pattern(fmt),)
     if fmt is ToolFormat.HERMES:
         root = f"{root} | {_variant_root(call)}"
         patterns += (_leading_variant_pattern(tools), _variant_trigger_pattern(tools, fmt.arguments_key))
     gbnf = f"root ::= {root}\n{_WS_RULE}\n{rules}"
+    if thinking is not None:  # a token trigger would fire inside the thinking too
+        return ToolGrammar(gbnf, tuple(_after_thinking(p, thinking) for p in patterns))
     return ToolGrammar(gbnf, patterns, (opening_token,) if opening_token is not None else ())
+
+
+class Thinking(str, enum.Enum):
+    """Where a reply's `<think>` block is: opened by the prompt, or perhaps by the reply itself."""
+
+    OPEN = "open"
+    OPTIONAL = "optional"
+
+
+# Thinking text: anything that does not spell `</think>` (a `<` takes the character after it along).
+_THINK_TEXT = ('think-text ::= ([^<] | "<" ([^/] | "/" ([^t] | "t" ([^h] | "h" ([^i] | "i" ([^n] | "n" '
+               '([^k] | "k" [^>])))))))*')
+# Per placement: what the root starts with, and the rules it needs.
+_THINK_RULES = {
+    Thinking.OPEN: ('think-text "</think>" ws ', f"{_THINK_TEXT}\n"),
+    Thinking.OPTIONAL: ('("<think>" think-text "</think>" ws)? ', f"{_THINK_TEXT}\n"),
+}
+# A lazy pattern's gate: the text before the trigger has closed its thinking (or never opened any).
+_GATES = {
+    Thinking.OPEN: r"^[\s\S]*?</think>",
+    Thinking.OPTIONAL: r"^(?:[ \t\n]*<think>[\s\S]*?</think>|(?![ \t\n]*<think>))",
+}
+
+
+def _after_thinking(pattern: str, thinking: Thinking) -> str:
+    """`pattern`, matching only past the thinking: a pattern anchored at the reply's start is
+    anchored at the thinking's end instead; any other may match anywhere after it."""
+    gate = _GATES[thinking]
+    return gate + pattern[1:] if pattern.startswith("^") else f"{gate}[\\s\\S]*?{pattern}"
 
 
 def _converted(tools: list[FunctionTool], arguments_key: str, top: str,

@@ -33,6 +33,7 @@ class ChatTurn:
     content: str = ""
     tool_calls: tuple[HistoryCall, ...] = ()
     tool_call_id: str | None = None
+    reasoning: str = ""  # an assistant turn's thinking, for templates that keep (or drop) it themselves
 
 
 def template_messages(fmt: ToolFormat, turns: list[ChatTurn]) -> list[dict[str, Any]]:
@@ -43,7 +44,7 @@ def template_messages(fmt: ToolFormat, turns: list[ChatTurn]) -> list[dict[str, 
 
 
 def _tool_aware_message(fmt: ToolFormat, turn: ChatTurn, names: dict[str, str]) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    message: dict[str, Any] = {"role": turn.role, "content": turn.content, **_reasoning(turn)}
     if turn.tool_calls:
         message["tool_calls"] = [
             {"id": _call_id(fmt, c.id), "type": "function",
@@ -63,8 +64,15 @@ def _generic_message(turn: ChatTurn, names: dict[str, str]) -> dict[str, Any]:
     if turn.tool_calls:
         calls = [{"name": c.name, "arguments": _arguments(c.arguments)} for c in turn.tool_calls]
         written = json.dumps({"tool_calls": calls}, ensure_ascii=False)
-        return {"role": turn.role, "content": f"{turn.content}\n{written}" if turn.content else written}
-    return {"role": turn.role, "content": turn.content}
+        return {"role": turn.role, "content": f"{turn.content}\n{written}" if turn.content else written,
+                **_reasoning(turn)}
+    return {"role": turn.role, "content": turn.content, **_reasoning(turn)}
+
+
+def _reasoning(turn: ChatTurn) -> dict[str, Any]:
+    """An earlier turn's thinking under the names templates read it by (Qwen3 and R1 distills:
+    `reasoning_content`, gpt-oss: `thinking`); a template that names neither drops it."""
+    return {"reasoning_content": turn.reasoning, "thinking": turn.reasoning} if turn.reasoning else {}
 
 
 def _arguments(text: str) -> Any:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.model import Model
 from kvserve.tools.formats import ToolFormat
-from kvserve.tools.grammar import ToolGrammar, tool_grammar
+from kvserve.tools.grammar import Thinking, ToolGrammar, tool_grammar
 from kvserve.tools.schema_budget import check_tools as check_budget
 from kvserve.tools.parser import ToolCallParser
 from kvserve.tools.spec import NAME_PATTERN, FunctionTool, Mode, ToolChoice, ToolError
@@ -25,7 +25,7 @@ class ToolPlan:
     callable: tuple[FunctionTool, ...]
     choice: ToolChoice
     parallel: bool
-    grammar: ToolGrammar
+    grammar: ToolGrammar | None  # None: the calls are read from free text (a format no grammar describes)
 
     @property
     def special_text(self) -> bool:
@@ -47,6 +47,15 @@ class ToolPlan:
             first = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
             return [first, *messages[1:]]
         return [{"role": "system", "content": prompt}, *messages]
+
+    def after_thinking(self, thinking: Thinking | None) -> "ToolPlan":
+        """This plan for a reply that thinks first: its grammar lets the thinking through, or waits
+        for it to close; None: thinking no grammar here describes (harmony's channels), so none."""
+        if thinking is None:
+            return replace(self, grammar=None)
+        grammar = tool_grammar(self.format, list(self.callable), required=self.choice.mode is Mode.REQUIRED,
+                               parallel=self.parallel, opening_token=None, thinking=thinking)
+        return replace(self, grammar=grammar)
 
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.format, (tool.name for tool in self.callable))

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from kvserve.scheduler.request import Delta, FinishReason, RequestOutput, Usage
 from kvserve.server.errors import anthropic_error_body
-from kvserve.tools import CallStarted, ContentDelta, ToolEvent, ToolPlan
+from kvserve.reply import Ended, ReasoningDelta, ReplyEvent, ReplyPlan
+from kvserve.tools import ArgumentsDelta, CallStarted
 from kvserve.tools.parser import TOOL_CALLS
 
 # Chat's finish reason (after the tool parser's reading) as Anthropic's stop reason; a plain stop
@@ -39,13 +40,16 @@ def usage_body(usage: Usage) -> dict:
 
 @dataclass
 class _OpenBlock:
-    """The content block being written: text, or a tool call when `call` is set."""
+    """The content block being written: text, thinking, or a tool call when `call` is set."""
 
     index: int
+    kind: str = "text"  # text, thinking or tool_use
     call: CallStarted | None = None
-    text: str = ""  # the text, or the call's input as JSON text
+    text: str = ""  # the text, the thinking, or the call's input as JSON text
 
     def body(self) -> dict:
+        if self.kind == "thinking":
+            return {"type": "thinking", "thinking": self.text, "signature": ""}
         if self.call is None:
             return {"type": "text", "text": self.text}
         return {"type": "tool_use", "id": self.call.id, "name": self.call.name, "input": _input(self.text)}
@@ -67,19 +71,21 @@ class MessageEvents:
     `content_block_start`; blocks are indexed 0, 1, 2, ... in order, at most one is open, and each
     is stopped before the next starts and before `message_delta` (the stop reason and the final,
     cumulative usage), which `message_stop` follows; a message has at least one block (an empty
-    text block when the model said nothing). With tools, the reply is split by the tools' parser:
-    its content becomes text blocks, its calls `tool_use` blocks. `message` (set by the last
-    output) is the whole message; an engine error ends the events with an `error` event instead.
+    text block when the model said nothing). The reply is read once (`ReplyReader`): its thinking
+    becomes `thinking` blocks (their signature empty: nothing here signs them), its answer text
+    blocks, its calls `tool_use` blocks. `message` (set by the last output) is the whole message;
+    an engine error ends the events with an `error` event instead.
     """
 
-    def __init__(self, head: MessageHead, tools: ToolPlan | None) -> None:
+    def __init__(self, head: MessageHead, reply: ReplyPlan) -> None:
         self.head = head
         self.content: list[dict] = []
         self.message: dict | None = None
         self.finish_reasons: list[str] = []  # chat's finish reason of the reply, once it ended
-        self._parser = tools.parser() if tools is not None else None
+        self._reader = reply.reader()
         self._block: _OpenBlock | None = None
         self._finish: Delta | None = None  # the delta that ended the reply
+        self._chat_reason = FinishReason.STOP.value
 
     def started(self) -> list[dict]:
         usage = {"input_tokens": self.head.input_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
@@ -92,33 +98,35 @@ class MessageEvents:
             return [anthropic_error_body(output.status, output.error)]
         events: list[dict] = []
         for delta in output.deltas:
-            for piece in self._pieces(delta):
+            pieces = self._reader.feed(delta.text)
+            if delta.finish_reason is not None:
+                self._finish = delta
+                pieces += self._reader.finish(delta.finish_reason.value)
+            for piece in pieces:
                 events += self._piece(piece)
-            self._finish = delta if delta.finish_reason is not None else self._finish
         if output.usage is not None:
             events += self._finished(output.usage)
         return events
 
-    def _pieces(self, delta: Delta) -> list[ToolEvent]:
-        if self._parser is None:
-            return [ContentDelta(delta.text)] if delta.text else []
-        return self._parser.feed(delta.text) + (self._parser.finish() if delta.finish_reason is not None else [])
-
-    def _piece(self, piece: ToolEvent) -> list[dict]:
-        if isinstance(piece, ContentDelta):
-            events = [] if self._block is not None and self._block.call is None else self._close() + self._open()
-            self._block.text += piece.text
-            return events + [self._delta({"type": "text_delta", "text": piece.text})]
+    def _piece(self, piece: ReplyEvent) -> list[dict]:
+        if isinstance(piece, Ended):
+            self._chat_reason = piece.finish_reason
+            return []
         if isinstance(piece, CallStarted):
-            return self._close() + self._open(piece)
+            return self._close() + self._open("tool_use", piece)
+        if isinstance(piece, ArgumentsDelta):
+            self._block.text += piece.text
+            return [self._delta({"type": "input_json_delta", "partial_json": piece.text})]
+        kind, field = ("thinking", "thinking") if isinstance(piece, ReasoningDelta) else ("text", "text")
+        events = [] if self._block is not None and self._block.kind == kind else self._close() + self._open(kind)
         self._block.text += piece.text
-        return [self._delta({"type": "input_json_delta", "partial_json": piece.text})]
+        return events + [self._delta({"type": f"{kind}_delta", field: piece.text})]
 
-    def _delta(self, delta: dict) -> dict:
-        return {"type": "content_block_delta", "index": self._block.index, "delta": delta}
+    def _delta(self, delta: dict, block: _OpenBlock | None = None) -> dict:
+        return {"type": "content_block_delta", "index": (block or self._block).index, "delta": delta}
 
-    def _open(self, call: CallStarted | None = None) -> list[dict]:
-        self._block = block = _OpenBlock(len(self.content), call)
+    def _open(self, kind: str = "text", call: CallStarted | None = None) -> list[dict]:
+        self._block = block = _OpenBlock(len(self.content), kind, call)
         start = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}} if call else block.body()
         events = [{"type": "content_block_start", "index": block.index, "content_block": start}]
         return events + [{"type": "ping"}] if block.index == 0 else events
@@ -128,13 +136,13 @@ class MessageEvents:
         if block is None:
             return []
         self.content.append(block.body())
-        return [{"type": "content_block_stop", "index": block.index}]
+        signed = [self._delta({"type": "signature_delta", "signature": ""}, block)] if block.kind == "thinking" else []
+        return signed + [{"type": "content_block_stop", "index": block.index}]
 
     def _finished(self, usage: Usage) -> list[dict]:
         events = self._open() if not self.content and self._block is None else []
         events += self._close()
-        reason = self._finish.finish_reason.value if self._finish is not None else FinishReason.STOP.value
-        chat_reason = self._parser.finish_reason(reason) if self._parser is not None else reason
+        chat_reason = self._chat_reason
         self.finish_reasons.append(chat_reason)
         stop_sequence = self._finish.stop_sequence if self._finish is not None else None
         stop_reason = _STOP_REASONS.get(chat_reason, "stop_sequence" if stop_sequence else "end_turn")

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field, Tag, field_validator, model_validator
 
-from kvserve.server.schemas import Body, tagged
+from kvserve.server.schemas import Body, cache_salt_field, tagged
 from kvserve.tools.spec import NAME_PATTERN
 
 
@@ -41,6 +41,22 @@ class ToolUseBlock(Body):
     input: dict[str, Any]
 
 
+class ThinkingBlock(Body):
+    """An assistant's earlier thinking, sent back: the template keeps or drops it. Its signature
+    is not checked (this server signs nothing)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(Body):
+    """Thinking another server encrypted: nothing here can read it, so it is left out."""
+
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
 class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
@@ -53,9 +69,12 @@ Block = Annotated[
         Annotated[TextBlock, Tag("TextBlock")],
         Annotated[ToolUseBlock, Tag("ToolUseBlock")],
         Annotated[ToolResultBlock, Tag("ToolResultBlock")],
+        Annotated[ThinkingBlock, Tag("ThinkingBlock")],
+        Annotated[RedactedThinkingBlock, Tag("RedactedThinkingBlock")],
     ],
     tagged((TextBlock, ("text",)), (ToolUseBlock, ("tool_use",)), (ToolResultBlock, ("tool_result",)),
-           refusal="content blocks are text, tool_use or tool_result: this server reads text only"),
+           (ThinkingBlock, ("thinking",)), (RedactedThinkingBlock, ("redacted_thinking",)),
+           refusal="content blocks are text, thinking, tool_use or tool_result: this server reads text only"),
 ]
 
 
@@ -70,6 +89,8 @@ class InputMessage(Body):
             raise ValueError("tool_use blocks belong to assistant messages")
         if self.role == "assistant" and any(isinstance(b, ToolResultBlock) for b in blocks):
             raise ValueError("tool_result blocks belong to user messages")
+        if self.role == "user" and any(isinstance(b, (ThinkingBlock, RedactedThinkingBlock)) for b in blocks):
+            raise ValueError("thinking blocks belong to assistant messages")
         return self
 
 
@@ -119,8 +140,27 @@ ToolChoice = Annotated[
 ]
 
 
+class ThinkingEnabled(Body):
+    """Think first, at most `budget_tokens` tokens (they count toward max_tokens)."""
+
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1)
+
+
+class ThinkingDisabled(Body):
+    type: Literal["disabled"]
+
+
+Thinking = Annotated[
+    Union[Annotated[ThinkingEnabled, Tag("ThinkingEnabled")], Annotated[ThinkingDisabled, Tag("ThinkingDisabled")]],
+    tagged((ThinkingEnabled, ("enabled",)), (ThinkingDisabled, ("disabled",)),
+           refusal="thinking is of type enabled or disabled"),
+]
+
+
 class Metadata(Body):
     user_id: str | None = Field(None, max_length=256)
+    cache_salt: str | None = cache_salt_field()  # vLLM's field, where Anthropic's bodies keep extras
 
 
 class CountTokens(Body):
@@ -131,6 +171,7 @@ class CountTokens(Body):
     system: Union[str, list[TextBlock], None] = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -150,3 +191,9 @@ class CreateMessage(CountTokens):
     top_k: int | None = Field(None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False
+
+    @model_validator(mode="after")
+    def _budget_within_max_tokens(self) -> "CreateMessage":
+        if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
+            raise ValueError("thinking.budget_tokens must be less than max_tokens")
+        return self

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from kvserve.server.errors import invalid_body, respelled
 from kvserve.server.messages_api.schemas import (
-    AnyChoice, CountTokens, CreateMessage, InputMessage, NamedChoice, NoChoice, TextBlock, ToolResultBlock, ToolUseBlock,
+    AnyChoice, CountTokens, CreateMessage, InputMessage, NamedChoice, NoChoice, TextBlock, ThinkingBlock,
+    ThinkingDisabled, ThinkingEnabled, ToolResultBlock, ToolUseBlock,
 )
 from kvserve.server.schemas import ChatCompletionRequest
 
@@ -26,6 +27,8 @@ _MESSAGES_PARAMS = (
     (re.compile(r"^stop$"), "stop_sequences"),
     (re.compile(r"^parallel_tool_calls$"), "tool_choice.disable_parallel_tool_use"),
     (re.compile(r"^user$"), "metadata.user_id"),
+    (re.compile(r"^cache_salt$"), "metadata.cache_salt"),
+    (re.compile(r"^reasoning_budget$"), "thinking.budget_tokens"),
 )
 
 
@@ -34,10 +37,11 @@ def chat_request(body: CountTokens) -> ChatCompletionRequest:
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     for message in body.messages:
         messages += chat_messages(message)
-    fields: dict[str, Any] = {"messages": messages, **_tool_fields(body)}
+    fields: dict[str, Any] = {"messages": messages, **_tool_fields(body), **_thinking_fields(body.thinking)}
     if isinstance(body, CreateMessage):
         fields.update(max_completion_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
-                      top_p=body.top_p, top_k=body.top_k, user=body.metadata and body.metadata.user_id)
+                      top_p=body.top_p, top_k=body.top_k, user=body.metadata and body.metadata.user_id,
+                      cache_salt=body.metadata and body.metadata.cache_salt)
     with in_messages_terms():
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
@@ -61,11 +65,23 @@ def chat_messages(message: InputMessage) -> list[dict[str, Any]]:
             out.append({"role": message.role, "content": []})
         if isinstance(block, TextBlock):
             out[-1]["content"].append({"type": "text", "text": block.text})
+        elif isinstance(block, ThinkingBlock):
+            out[-1]["reasoning_content"] = out[-1].get("reasoning_content", "") + block.thinking
         elif isinstance(block, ToolUseBlock):
             call = {"id": block.id, "type": "function",
                     "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}}
             out[-1].setdefault("tool_calls", []).append(call)
     return out or [{"role": message.role, "content": ""}]
+
+
+def _thinking_fields(thinking: ThinkingEnabled | ThinkingDisabled | None) -> dict[str, Any]:
+    """`enabled`: its budget; `disabled`: the template told not to think (where it has that
+    switch) and a budget of nothing, so thinking a model starts anyway is closed at once."""
+    if isinstance(thinking, ThinkingEnabled):
+        return {"reasoning_budget": thinking.budget_tokens}
+    if isinstance(thinking, ThinkingDisabled):
+        return {"reasoning_budget": 0, "chat_template_kwargs": {"enable_thinking": False}}
+    return {}
 
 
 def _text(content: str | list[TextBlock]) -> str:

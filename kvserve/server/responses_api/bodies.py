@@ -9,7 +9,7 @@ from typing import Any
 
 from kvserve.scheduler.request import Usage
 from kvserve.server.responses_api.schemas import (
-    CreateResponse, FunctionCallItem, InputItem, MessageItem, TextContent, TextFormat,
+    CreateResponse, FunctionCallItem, InputItem, MessageItem, ReasoningItem, TextContent, TextFormat,
 )
 
 
@@ -71,7 +71,7 @@ def usage_body(usage: Usage) -> dict:
         # written on request, and OpenAI counts cache writes only for requested (explicit) caching.
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -84,6 +84,18 @@ def message_item(item_id: str, status: str, content: list[dict]) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_item(item_id: str, status: str, text: str | None) -> dict:
+    """The thinking of a reply, as OpenAI returns an open model's: its text as `reasoning_text`
+    content (None: none yet), no summary, nothing encrypted."""
+    content = [] if text is None else [reasoning_text(text)]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "encrypted_content": None,
+            "status": status}
+
+
+def reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
@@ -94,5 +106,7 @@ def as_input(item: dict) -> InputItem:
     if item["type"] == "function_call":
         return FunctionCallItem(type="function_call", call_id=item["call_id"], name=item["name"],
                                 arguments=item["arguments"])
+    if item["type"] == "reasoning":
+        return ReasoningItem.model_validate(item)
     text = "".join(part["text"] for part in item["content"])
     return MessageItem(role="assistant", content=[TextContent(type="output_text", text=text)])

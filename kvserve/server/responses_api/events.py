@@ -8,20 +8,22 @@ from dataclasses import dataclass, field
 
 from kvserve.scheduler.request import Delta, FinishReason, RequestOutput
 from kvserve.server.responses import LogprobFormatter
+from kvserve.reply import Ended, ReasoningDelta, ReplyEvent, ReplyPlan
 from kvserve.server.responses_api.bodies import (
-    ResponseHead, function_call_item, message_item, new_id, output_text,
+    ResponseHead, function_call_item, message_item, new_id, output_text, reasoning_item, reasoning_text,
 )
-from kvserve.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolEvent, ToolPlan
+from kvserve.tools import CallStarted, ContentDelta
 
 
 @dataclass
 class _OpenItem:
-    """The output item being written: a message, or a function call when `call` is set."""
+    """The output item being written: a message, a reasoning item, or a function call when `call` is set."""
 
     id: str
     output_index: int
+    kind: str = "message"  # message, reasoning or function_call
     call: CallStarted | None = None
-    text: str = ""  # the message's text, or the call's arguments
+    text: str = ""  # the message's text, the thinking, or the call's arguments
     logprobs: list[dict] = field(default_factory=list)
 
 
@@ -31,21 +33,22 @@ class ResponseEvents:
     Invariants: sequence numbers run 0, 1, 2, ... without gaps; at most one output item is open and
     it is closed (its `.done` events sent) before the next opens and before the terminal event;
     `output` holds the closed items in order, and `final` (set by the terminal event) is the whole
-    response. With tools, the reply is split by the tools' parser: its content becomes messages,
-    its calls `function_call` items; logprobs belong to content only (a call's item has none), so
-    those of call syntax are dropped.
+    response. The reply is read once (`ReplyReader`): its thinking becomes `reasoning` items, its
+    answer messages, its calls `function_call` items; logprobs belong to answer text only (a
+    call's or a reasoning item has none), so those of call syntax and thinking are dropped.
     """
 
-    def __init__(self, head: ResponseHead, logprobs: LogprobFormatter | None, tools: ToolPlan | None) -> None:
+    def __init__(self, head: ResponseHead, logprobs: LogprobFormatter | None, reply: ReplyPlan) -> None:
         self.head = head
         self.output: list[dict] = []
         self.final: dict | None = None
         self._logprobs = logprobs  # None: the client did not ask for them
-        self._parser = tools.parser() if tools is not None else None
+        self._reader = reply.reader()
         self._sequence = itertools.count()
         self._item: _OpenItem | None = None
         self._unplaced_logprobs: list[dict] = []  # of text the parser holds back
         self._finish: FinishReason | None = None
+        self._chat_reason: str | None = None  # as the reader ended the reply
         self.finish_reasons: list[str] = []  # chat's finish reason of the reply, once it ended
 
     def started(self) -> list[dict]:
@@ -67,15 +70,23 @@ class ResponseEvents:
             events += self._finished(output)
         return events
 
-    def _pieces(self, delta: Delta) -> list[ToolEvent]:
-        if self._parser is None:
-            # An empty delta that carries logprobs (a token that ends no character) is still sent.
-            return [ContentDelta(delta.text)] if delta.text or delta.logprobs else []
-        return self._parser.feed(delta.text) + (self._parser.finish() if delta.finish_reason is not None else [])
+    def _pieces(self, delta: Delta) -> list[ReplyEvent]:
+        events = self._reader.feed(delta.text)
+        if delta.finish_reason is not None:
+            events += self._reader.finish(delta.finish_reason.value)
+        # A plain reply's delta that carries only logprobs (a token that ends no character) is still sent.
+        if delta.logprobs and self._reader.plain and not any(isinstance(e, ContentDelta) for e in events):
+            events.insert(0, ContentDelta(""))
+        return events
 
-    def _piece(self, piece: ToolEvent) -> list[dict]:
+    def _piece(self, piece: ReplyEvent) -> list[dict]:
+        if isinstance(piece, Ended):
+            self._chat_reason = piece.finish_reason
+            return []
         if isinstance(piece, ContentDelta):
             return self._text(piece.text)
+        if isinstance(piece, ReasoningDelta):
+            return self._reasoning(piece.text)
         if isinstance(piece, CallStarted):
             self._unplaced_logprobs = []
             return self._close("completed") + self._open_call(piece)
@@ -87,8 +98,26 @@ class ResponseEvents:
     def _event(self, kind: str, **fields: object) -> dict:
         return {"type": kind, "sequence_number": next(self._sequence), **fields}
 
+    def _reasoning(self, delta: str) -> list[dict]:
+        opened = self._item is not None and self._item.kind == "reasoning"
+        events = [] if opened else self._close("completed") + self._open_reasoning()
+        item = self._item
+        item.text += delta
+        self._unplaced_logprobs = []
+        return events + [self._event("response.reasoning_text.delta", item_id=item.id, output_index=item.output_index,
+                                     content_index=0, delta=delta)]
+
+    def _open_reasoning(self) -> list[dict]:
+        self._item = item = _OpenItem(new_id("rs"), len(self.output), "reasoning")
+        return [
+            self._event("response.output_item.added", output_index=item.output_index,
+                        item=reasoning_item(item.id, "in_progress", None)),
+            self._event("response.content_part.added", item_id=item.id, output_index=item.output_index,
+                        content_index=0, part=reasoning_text("")),
+        ]
+
     def _text(self, delta: str) -> list[dict]:
-        opened = self._item is not None and self._item.call is None
+        opened = self._item is not None and self._item.kind == "message"
         events = [] if opened else self._close("completed") + self._open_message()
         item, logprobs = self._item, self._unplaced_logprobs
         self._unplaced_logprobs = []
@@ -107,7 +136,7 @@ class ResponseEvents:
         ]
 
     def _open_call(self, call: CallStarted) -> list[dict]:
-        self._item = item = _OpenItem(new_id("fc"), len(self.output), call)
+        self._item = item = _OpenItem(new_id("fc"), len(self.output), "function_call", call)
         return [self._event("response.output_item.added", output_index=item.output_index,
                             item=function_call_item(item.id, call.id, call.name, "", "in_progress"))]
 
@@ -116,6 +145,14 @@ class ResponseEvents:
         if item is None:
             return []
         where = {"item_id": item.id, "output_index": item.output_index}
+        if item.kind == "reasoning":
+            done = reasoning_item(item.id, status, item.text)
+            self.output.append(done)
+            return [
+                self._event("response.reasoning_text.done", **where, content_index=0, text=item.text),
+                self._event("response.content_part.done", **where, content_index=0, part=reasoning_text(item.text)),
+                self._event("response.output_item.done", output_index=item.output_index, item=done),
+            ]
         if item.call is not None:
             done = function_call_item(item.id, item.call.id, item.call.name, item.text, status)
             self.output.append(done)
@@ -136,12 +173,13 @@ class ResponseEvents:
 
     def _finished(self, output: RequestOutput) -> list[dict]:
         cut = self._finish == FinishReason.LENGTH
-        if self._finish is not None:
-            reason = self._finish.value
-            self.finish_reasons.append(self._parser.finish_reason(reason) if self._parser else reason)
+        if self._chat_reason is not None:
+            self.finish_reasons.append(self._chat_reason)
         status = "incomplete" if cut else "completed"
-        # A response says something even when the model stopped at once: an empty message.
-        events = self._open_message() if not self.output and self._item is None else []
+        # A response answers even when the model stopped at once, or only thought: an empty message.
+        answered = any(item["type"] != "reasoning" for item in self.output) or (
+            self._item is not None and self._item.kind != "reasoning")
+        events = [] if answered else self._close(status) + self._open_message()
         events += self._close(status)
         incomplete = {"reason": "max_output_tokens"} if cut else None
         self.final = self.head.body(status, self.output, output.usage, incomplete=incomplete)

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import Field, Tag, ValidationInfo, field_validator, model_validator
 
-from kvserve.server.schemas import MAX_TOP_LOGPROBS, Body, tagged
+from kvserve.server.schemas import MAX_TOP_LOGPROBS, Body, cache_salt_field, tagged
 from kvserve.tools.spec import NAME_PATTERN
 
 MAX_METADATA_PAIRS = 16
@@ -62,15 +62,37 @@ class FunctionCallOutputItem(Body):
     output: Union[str, list[TextContent]]
 
 
+class ReasoningText(Body):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(Body):
+    """An earlier turn's thinking, sent back: the template of the next assistant turn keeps or
+    drops it. Encrypted content (another server's) cannot be read here and is left out."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
 InputItem = Annotated[
     Union[
         Annotated[MessageItem, Tag("MessageItem")],
         Annotated[FunctionCallItem, Tag("FunctionCallItem")],
         Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
+        Annotated[ReasoningItem, Tag("ReasoningItem")],
     ],
     tagged((MessageItem, ("message", None)), (FunctionCallItem, ("function_call",)),
             (FunctionCallOutputItem, ("function_call_output",)),  # a message may leave out its type
-            refusal="input items are message, function_call or function_call_output"),
+            (ReasoningItem, ("reasoning",)),
+            refusal="input items are message, function_call, function_call_output or reasoning"),
 ]
 
 
@@ -129,7 +151,9 @@ class TextConfig(Body):
 
 
 class Reasoning(Body):
-    effort: str | None = None
+    """The effort is told to the chat template (as `reasoning_effort`); no summary is written."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: str | None = None
 
 
@@ -144,8 +168,6 @@ Includable = Literal[
 _UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "truncation": (lambda v: v == "auto", "truncation 'auto' is not supported; the input is never cut"),
     "background": (bool, "background responses are not supported"),
-    "reasoning": (lambda v: v is not None and v.effort not in (None, "none"),
-                  "reasoning effort is not supported; the served model does not reason"),
     "conversation": (lambda v: v is not None, "conversations are not supported; use previous_response_id"),
     "prompt": (lambda v: v is not None, "stored prompt templates are not supported"),
 }
@@ -163,6 +185,7 @@ class CreateResponse(Body):
     # Not OpenAI's Responses fields, but chat's, as vLLM accepts them here too: small models loop.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    reasoning_budget: int | None = Field(None, ge=-1)  # chat's extension: most thinking tokens (-1: no limit)
     include: list[Includable] | None = None
     text: TextConfig = Field(default_factory=TextConfig)
     tools: list[FunctionTool] = Field(default_factory=list)
@@ -172,6 +195,7 @@ class CreateResponse(Body):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    cache_salt: str | None = cache_salt_field()
     # Accepted only in the form that asks for nothing this server lacks:
     truncation: Literal["disabled", "auto"] | None = None
     background: bool | None = None
@@ -199,7 +223,7 @@ class CreateResponse(Body):
             raise ValueError("keys are at most 64 characters, values at most 512")
         return metadata
 
-    @field_validator("truncation", "background", "reasoning", "conversation", "prompt")
+    @field_validator("truncation", "background", "conversation", "prompt")
     @classmethod
     def _nothing_unserved(cls, value: Any, info: ValidationInfo) -> Any:
         asks_for, refusal = _UNSERVED[info.field_name]

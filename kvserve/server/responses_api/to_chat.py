@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from kvserve.server.errors import invalid, invalid_body, respelled
 from kvserve.server.responses_api.schemas import (
-    CreateResponse, FunctionCallItem, FunctionCallOutputItem, FunctionChoice, InputItem, MessageItem, TextFormat,
-    ToolChoice, content_text,
+    CreateResponse, FunctionCallItem, FunctionCallOutputItem, FunctionChoice, InputItem, MessageItem, ReasoningItem,
+    TextFormat, ToolChoice, content_text,
 )
 from kvserve.server.schemas import ChatCompletionRequest
 
@@ -22,6 +22,7 @@ _RESPONSES_PARAMS = (
     (re.compile(r"^messages\b.*"), "input"),
     (re.compile(r"^response_format\b.*"), "text.format"),
     (re.compile(r"^max_completion_tokens$"), "max_output_tokens"),
+    (re.compile(r"^reasoning_effort$"), "reasoning.effort"),
     (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
 )
 
@@ -43,6 +44,9 @@ def chat_request(body: CreateResponse, history: list[InputItem]) -> ChatCompleti
         "top_logprobs": body.top_logprobs,
         "response_format": _response_format(body.text.format),
         "user": body.user,
+        "cache_salt": body.cache_salt,
+        "reasoning_effort": body.reasoning.effort if body.reasoning else None,
+        "reasoning_budget": body.reasoning_budget,
         **_tool_fields(body),
     }
     with in_responses_terms():
@@ -53,18 +57,26 @@ def chat_request(body: CreateResponse, history: list[InputItem]) -> ChatCompleti
 
 
 def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
-    """Chat messages in order; function calls in a row (and the text before them) are one assistant turn."""
+    """Chat messages in order; function calls in a row (and the text before them) are one assistant
+    turn, and reasoning items the thinking of the assistant turn that follows them."""
     messages: list[dict[str, Any]] = []
+    reasoning = ""  # of the next assistant turn
     for item in items:
-        if isinstance(item, MessageItem):
+        if isinstance(item, ReasoningItem):
+            reasoning += item.text
+        elif isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": content_text(item.content)})
+            if item.role == "assistant" and reasoning:
+                messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and not reasoning:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if reasoning:
+                    messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": content_text(item.output)})
     return messages

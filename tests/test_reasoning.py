@@ -1,0 +1,274 @@
+"""The reply reader: thinking split off by format, tool calls parsed from the answer only, and the
+same events whatever the split of the text (every byte boundary, and random splits)."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.llama.sampler import Sampler, SamplingParams
+from kvserve.reply import (
+    Ended, ReasoningDelta, ReasoningFormat, ReasoningSyntax, ReplyPlan, detect_reasoning, merged, syntax_for,
+)
+from kvserve.scheduler.thinking import ThinkingLimit, ThinkingWatch
+from kvserve.tools import ArgumentsDelta, CallStarted, ContentDelta, FunctionTool, ToolChoice, ToolFormat
+from kvserve.tools.grammar import Thinking, tool_grammar
+from kvserve.tools.spec import Mode
+
+DEEPSEEK = ReasoningSyntax(ReasoningFormat.DEEPSEEK)
+DEEPSEEK_OPEN = ReasoningSyntax(ReasoningFormat.DEEPSEEK, starts_open=True)
+HARMONY = ReasoningSyntax(ReasoningFormat.HARMONY)
+
+# Replies in each format, written as the models write them (tags, whitespace and special tokens as
+# their tokenizers spell them), with multi-byte characters so that byte cuts split characters.
+REPLIES = {
+    # DeepSeek-R1 distills and Qwen3: the template opens the block, the reply starts inside it.
+    "r1-opened": (DEEPSEEK_OPEN, "Okay, the user asks for 2+2 — simple arithmetic. 2+2=4.\n</think>\n\n**4** ✓",
+                  "Okay, the user asks for 2+2 — simple arithmetic. 2+2=4.", "**4** ✓"),
+    # SmolLM3, Magistral, older R1 templates: the reply opens the block itself.
+    "think-block": (DEEPSEEK, "<think>\nLet me recall: Paris is the capital of France.\n\n</think>\n\nParis. 🇫🇷",
+                    "Let me recall: Paris is the capital of France.", "Paris. 🇫🇷"),
+    "no-think": (DEEPSEEK, "Bonjour, ça va?", "", "Bonjour, ça va?"),
+    "empty-think": (DEEPSEEK, "<think>\n\n</think>\n\nHi!", "", "Hi!"),
+    "tag-in-answer": (DEEPSEEK, "<think>a</think>Write `<think>` to open.", "a", "Write `<think>` to open."),
+    # gpt-oss: the analysis channel, then the final one.
+    "harmony": (HARMONY, "<|channel|>analysis<|message|>User greets in Japanese: こんにちは. Reply politely.<|end|>"
+                "<|start|>assistant<|channel|>final<|message|>こんにちは！ How can I help?",
+                "User greets in Japanese: こんにちは. Reply politely.", "こんにちは！ How can I help?"),
+    "harmony-no-analysis": (HARMONY, "<|channel|>final<|message|>Just the answer.", "", "Just the answer."),
+}
+
+
+def read(plan: ReplyPlan, pieces: list[str], reason: str = "stop") -> list:
+    """The merged events of a reply fed in `pieces`; call ids (random) replaced by their index."""
+    reader = plan.reader()
+    events = merged([e for piece in pieces for e in reader.feed(piece)] + reader.finish(reason))
+    return [CallStarted(e.index, f"call{e.index}", e.name) if isinstance(e, CallStarted) else e for e in events]
+
+
+def byte_pieces(text: str, cuts: list[int]) -> list[str]:
+    """`text`'s UTF-8 bytes cut at `cuts`, decoded as the detokenizer decodes a stream: a character
+    split across pieces waits for its rest."""
+    data = text.encode()
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    bounds = [0, *cuts, len(data)]
+    return [decoder.decode(data[a:b], final=b == len(data)) for a, b in zip(bounds, bounds[1:])]
+
+
+def parts(events: list) -> tuple[str, str]:
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    answer = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    return reasoning, answer
+
+
+@pytest.mark.parametrize("name", REPLIES)
+def test_each_format_splits_thinking_from_the_answer_at_every_byte_cut(name: str) -> None:
+    syntax, text, reasoning, answer = REPLIES[name]
+    plan = ReplyPlan(syntax)
+    whole = read(plan, [text])
+    assert parts(whole) == (reasoning, answer)
+    for cut in range(1, len(text.encode())):
+        assert read(plan, byte_pieces(text, [cut])) == whole, cut
+    assert read(plan, list(text)) == whole  # a character at a time
+
+
+@pytest.mark.parametrize("name", REPLIES)
+def test_a_reply_cut_inside_its_thinking_is_all_reasoning(name: str) -> None:
+    syntax, text, reasoning, _ = REPLIES[name]
+    if not reasoning:
+        return
+    cut = text[: text.index(reasoning) + max(1, len(reasoning) // 2)]
+    thought, said = parts(read(ReplyPlan(syntax), [cut], "length"))
+    assert said == "" and thought and reasoning.startswith(thought.strip())
+
+
+def test_none_leaves_the_text_as_generated() -> None:
+    text = "<think>x</think>answer"
+    assert parts(read(ReplyPlan(ReasoningSyntax(ReasoningFormat.NONE)), [text])) == ("", text)
+    assert parts(read(ReplyPlan(), [text])) == ("", text)
+
+
+TEXT_ATOMS = st.sampled_from(["<think>", "</think>", "<", "</", "<th", "\n", " ", "a", "é", "→", "x y",
+                              "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "analysis", "final",
+                              "assistant", "<|", "<tool_call>", "</tool_call>", '{"name": "get_weather", ',
+                              '"arguments": {"city": "Oslo"}}', "}"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(TEXT_ATOMS, max_size=14), st.data(),
+       st.sampled_from([DEEPSEEK, DEEPSEEK_OPEN, HARMONY]), st.booleans())
+def test_any_split_yields_the_same_events(atoms: list[str], data, syntax: ReasoningSyntax, with_tools: bool) -> None:
+    """The property: a reply fed whole, or in pieces cut anywhere, gives identical events."""
+    text = "".join(atoms)
+    plan = ReplyPlan(syntax, _weather_plan() if with_tools else None)
+    n = len(text.encode())
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=6)))) if n > 1 else []
+    assert read(plan, byte_pieces(text, cuts)) == read(plan, [text])
+
+
+# --- tools after thinking ---------------------------------------------------------------------------
+
+WEATHER = FunctionTool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                       "required": ["city"]})
+
+
+def _weather_plan(choice: ToolChoice = ToolChoice(Mode.AUTO)):
+    from kvserve.tools.plan import ToolPlan
+
+    grammar = tool_grammar(ToolFormat.HERMES, [WEATHER], required=choice.mode is Mode.REQUIRED, parallel=True,
+                           opening_token=None)
+    return ToolPlan(ToolFormat.HERMES, (WEATHER,), (WEATHER,), choice, True, grammar)
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def test_a_call_inside_the_thinking_is_reasoning_and_the_one_after_it_a_call() -> None:
+    text = f"I could write {CALL} here, or a bare {{\"name\": \"get_weather\", \"arguments\": {{}}}}.\n</think>\n\n{CALL}"
+    plan = ReplyPlan(DEEPSEEK_OPEN, _weather_plan())
+    whole = read(plan, [text])
+    assert read(plan, list(text)) == whole
+    calls = [e for e in whole if isinstance(e, CallStarted)]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    arguments = "".join(e.text for e in whole if isinstance(e, ArgumentsDelta))
+    assert json.loads(arguments) == {"city": "Oslo"}
+    reasoning, answer = parts(whole)
+    assert CALL in reasoning and answer == ""
+    assert whole[-1] == Ended("tool_calls")
+
+
+@pytest.mark.parametrize("thinking", list(Thinking))
+def test_lazy_triggers_fire_only_after_the_thinking(thinking: Thinking) -> None:
+    """The patterns llama.cpp matches against the generated text (std::regex, ECMAScript; the
+    subset used here reads the same in Python's re): none matches while the thinking is open."""
+    grammar = tool_grammar(ToolFormat.HERMES, [WEATHER], required=False, parallel=True, opening_token=7,
+                           thinking=thinking)
+    assert grammar.trigger_tokens == ()  # a token would fire inside the thinking too
+    opened = "" if thinking is Thinking.OPEN else "<think>\n"
+    inside = [f"{opened}Maybe <tool_call>", f'{opened}a {{"name": "get_weather"', f"{opened}```json\n{{\"name\""]
+    after = [f"{opened}done</think>\n\n<tool_call>", f'{opened}done</think>\n<json>{{"name": "get_weather", "arg']
+    def fires(text: str) -> bool:
+        return any(re.search(p, text) for p in grammar.trigger_patterns)
+    assert not any(fires(t) for t in inside)
+    assert all(fires(t) for t in after)
+    if thinking is Thinking.OPTIONAL:  # a reply that does not think may call at once
+        assert fires("<tool_call>") and not fires("<think>\n<tool_call>")
+
+
+# --- detection ------------------------------------------------------------------------------------------
+
+
+def test_the_format_is_read_from_the_template_and_vocabulary() -> None:
+    tokens = {"<|channel|>", "<think>", "</think>"}
+    one = tokens.__contains__
+    assert detect_reasoning("{{ '<|start|>assistant<|channel|>final<|message|>' }}", one) is ReasoningFormat.HARMONY
+    assert detect_reasoning("{% if x %}<think>\n{% endif %}", lambda t: False) is ReasoningFormat.DEEPSEEK
+    assert detect_reasoning("{{ content.split('</think>')[-1] }}", lambda t: False) is ReasoningFormat.DEEPSEEK
+    assert detect_reasoning("<|im_start|>{{ m }}", one) is ReasoningFormat.DEEPSEEK  # the vocabulary's tags
+    assert detect_reasoning("<|im_start|>{{ m }}", lambda t: False) is ReasoningFormat.NONE
+    assert detect_reasoning("<|channel|>", lambda t: False) is ReasoningFormat.NONE  # not a token: not harmony
+
+
+def test_a_prompt_that_opens_the_thinking_starts_the_reply_inside_it() -> None:
+    assert syntax_for(ReasoningFormat.DEEPSEEK, "<|im_start|>assistant\n<think>\n").starts_open
+    assert not syntax_for(ReasoningFormat.DEEPSEEK, "<|im_start|>assistant\n<think>\n\n</think>\n\n").starts_open
+    assert not syntax_for(ReasoningFormat.DEEPSEEK, "<|im_start|>assistant\n").starts_open
+    assert syntax_for(ReasoningFormat.NONE, "<think>\n") is None
+
+
+# --- the budget as the engine applies it ---------------------------------------------------------------
+
+
+def test_the_watch_counts_thinking_tokens_and_forces_the_close_at_the_budget() -> None:
+    close = (901, 902, 903)
+    watch = ThinkingWatch(ThinkingLimit(DEEPSEEK_OPEN, 3, close))
+    forced = []
+    for text in ["I", " think", " more", " and", " more"]:
+        token = watch.forced_token()
+        if token is not None:
+            forced.append(token)
+            text = {901: "\n</", 902: "think", 903: ">\n\n"}[token]
+        watch.observe(text)
+    assert forced == [901, 902]  # the budget of 3 was spent; the close went on from there
+    token = watch.forced_token()
+    watch.observe(">\n\n")
+    assert token == 903 and watch.forced_token() is None
+    assert watch.tokens == 6  # three thought, three of the close
+
+
+def test_no_budget_forces_nothing_and_an_answer_is_not_counted() -> None:
+    watch = ThinkingWatch(ThinkingLimit(DEEPSEEK, None, (1,)))
+    for text in ["<think>", "a", "</think>", "\n", "Hello", " there"]:
+        assert watch.forced_token() is None
+        watch.observe(text)
+    assert watch.tokens == 3
+
+
+def test_a_budget_of_zero_closes_an_opened_block_at_once() -> None:
+    watch = ThinkingWatch(ThinkingLimit(DEEPSEEK_OPEN, 0, (5, 6)))
+    assert watch.forced_token() == 5
+
+
+# --- grammars llama.cpp accepts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [Mode.AUTO, Mode.REQUIRED])
+@pytest.mark.parametrize("thinking", list(Thinking))
+def test_grammars_after_thinking_are_accepted_by_llama_cpp(tiny, mode: Mode, thinking: Thinking) -> None:
+    from kvserve.llama.model import Model
+
+    grammar = tool_grammar(ToolFormat.HERMES, [WEATHER], required=mode is Mode.REQUIRED, parallel=True,
+                           opening_token=None, thinking=thinking)
+    model = Model(tiny("llama", "hermes"))
+    try:
+        params = SamplingParams(grammar=grammar.gbnf, grammar_trigger_patterns=grammar.trigger_patterns)
+        Sampler(model, params).close()
+    finally:
+        model.close()
+
+
+# --- what reaches the template ------------------------------------------------------------------------
+
+
+def test_template_variables_and_past_reasoning_reach_the_template(tiny) -> None:
+    from kvserve.llama.chat_template import ChatTemplate
+    from kvserve.llama.model import Model
+    from kvserve.server.prompts import chat_prompt
+    from kvserve.server.schemas import ChatCompletionRequest
+
+    source = ("{% for m in messages %}{{ m.role }}:{{ m.content }}[{{ m.reasoning_content | default('') }}]\n"
+              "{% endfor %}effort={{ reasoning_effort | default('unset') }} x={{ x | default('unset') }}\n<think>\n")
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "hello", "reasoning_content": "greet back"},
+                     {"role": "user", "content": "bye"}],
+        "reasoning_effort": "low", "chat_template_kwargs": {"x": 1, "messages": "not these"}})
+    model = Model(tiny("llama"))
+    try:
+        prompt = chat_prompt(model, ChatTemplate(source, "", ""), body, ReasoningFormat.DEEPSEEK)
+        text = model.detokenize(prompt.tokens, special=True)
+    finally:
+        model.close()
+    assert "assistant:hello[greet back]" in text and "effort=low x=1" in text
+    assert prompt.reasoning == DEEPSEEK_OPEN  # the template opened the block
+
+
+def test_responses_reasoning_items_are_the_next_assistant_turns_thinking() -> None:
+    from kvserve.server.responses_api.schemas import CreateResponse
+    from kvserve.server.responses_api.to_chat import chat_messages
+
+    body = CreateResponse.model_validate({"input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "content": [{"type": "reasoning_text", "text": "done"}]},
+        {"role": "assistant", "content": "fine"}]})
+    messages = chat_messages(body.items)
+    assert [m.get("reasoning_content") for m in messages] == [None, "hm", None, "done"]
+    assert messages[1]["tool_calls"][0]["id"] == "c1"
