@@ -122,7 +122,7 @@ class KvManager:
     def can_cut(self) -> bool:
         """Whether rejected draft rows can be cut from a stream: not from a recurrent state, and not
         from a sliding window, whose cells a longer batch may have overwritten."""
-        return bool(getattr(self.pool, "cuttable", False))
+        return not self.model.info.carries_state and not self.pool.ctx.n_swa
 
     def allocate(self, choice: Choice, n_new: int, lookahead: int = 0) -> int | None:
         """Room in the choice's stream for its next `n_new` tokens and up to `lookahead` draft tokens
