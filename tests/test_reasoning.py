@@ -217,12 +217,14 @@ def test_a_budget_of_zero_closes_an_opened_block_at_once() -> None:
 # --- grammars llama.cpp accepts ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fmt", [ToolFormat.HERMES, ToolFormat.MISTRAL, ToolFormat.LLAMA3, ToolFormat.GENERIC])
 @pytest.mark.parametrize("mode", [Mode.AUTO, Mode.REQUIRED])
 @pytest.mark.parametrize("thinking", list(Thinking))
-def test_grammars_after_thinking_are_accepted_by_llama_cpp(tiny, mode: Mode, thinking: Thinking) -> None:
+def test_grammars_after_thinking_are_accepted_by_llama_cpp(tiny, fmt: ToolFormat, mode: Mode,
+                                                           thinking: Thinking) -> None:
     from kvserve.llama.model import Model
 
-    grammar = tool_grammar(ToolFormat.HERMES, [WEATHER], required=mode is Mode.REQUIRED, parallel=True,
+    grammar = tool_grammar(fmt, [WEATHER], required=mode is Mode.REQUIRED, parallel=True,
                            opening_token=None, thinking=thinking)
     model = Model(tiny("llama", "hermes"))
     try:
