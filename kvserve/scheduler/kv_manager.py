@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import replace
 
 from kvserve.cache.cache_stats import CacheStats
+from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import KvPool, PoolExhausted
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.prefix_key import PrefixKey, namespace_kind
@@ -103,10 +104,12 @@ class KvManager:
     def plan_checkpoints(self, request: Request) -> None:
         """Keep the request's marks at which a checkpoint of choice 0 is worth a stop of its prefill."""
         session = request.state.choices[0].session
-        request.state.checkpoints = {
-            mark.position: mark.kind for mark in request.marks
-            if self.cache.checkpoint_at(session, request.prompt, session.n_past, mark.position)
-        }
+        stops: dict[int, MarkKind] = {}
+        for mark in request.marks:  # shallowest first: an opening kind wins a stop two marks share
+            stop = self.cache.checkpoint_at(session, request.prompt, session.n_past, mark.position)
+            if stop:
+                stops.setdefault(stop, mark.kind)
+        request.state.checkpoints = stops
 
     # -- growing ------------------------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, To
 @dataclass(frozen=True)
 class ChatPrompt:
     tokens: list[int]
-    marks: list[Mark]  # for a model that carries state: the marks worth a checkpoint
+    marks: list[Mark]  # for a model that keeps prefixes at marks: where a checkpoint may be worth it
     tools: ToolPlan | None  # how the reply calls tools; None: it is plain text
     reasoning: ReasoningSyntax | None = None  # how the reply carries its thinking; None: it does not
 
@@ -116,7 +116,7 @@ def turns_prompt(model: Model, template: ChatTemplate, turns: list[ChatTurn], pl
     if plan is not None:
         template, messages = plan.template(template), plan.prompt_messages(messages)
     try:
-        if model.info.carries_state:
+        if model.info.keeps_at_marks:
             turn = mark_messages(model, template, messages)
             tokens, marks = turn.tokens, turn.checkpoint_marks()
         else:
