@@ -274,3 +274,13 @@ def test_responses_reasoning_items_are_the_next_assistant_turns_thinking() -> No
     messages = chat_messages(body.items)
     assert [m.get("reasoning_content") for m in messages] == [None, "hm", None, "done"]
     assert messages[1]["tool_calls"][0]["id"] == "c1"
+
+
+def test_variables_that_break_the_template_are_a_400(tiny) -> None:
+    """A `chat_template_kwargs` key that shadows one of the template's functions makes it fail:
+    the request's fault, answered with a 400 naming messages, never a 500."""
+    from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
+
+    template = ChatTemplate("{% if x %}{{ raise_exception('no') }}{% endif %}{{ messages[0].content }}", "", "")
+    with pytest.raises(ChatTemplateError):
+        template.with_kwargs({"raise_exception": 1, "x": 1}).render([{"role": "user", "content": "hi"}])
