@@ -129,7 +129,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</t
 
 
 def test_a_call_inside_the_thinking_is_reasoning_and_the_one_after_it_a_call() -> None:
-    text = f"I could write {CALL} here, or a bare {{\"name\": \"get_weather\", \"arguments\": {{}}}}.\n</think>\n\n{CALL}"
+    bare = '{"name": "get_weather", "arguments": {}}'
+    text = f"I could write {CALL} here, or a bare {bare}.\n</think>\n\n{CALL}"
     plan = ReplyPlan(DEEPSEEK_OPEN, _weather_plan())
     whole = read(plan, [text])
     assert read(plan, list(text)) == whole
