@@ -248,5 +248,9 @@ def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:
         assert predicted["choices"][0]["message"]["content"] == text
         assert details["accepted_prediction_tokens"] > 0
         assert plain["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+        metrics = httpx.get(f"{url}/metrics").text
+        accepted = [line for line in metrics.splitlines()
+                    if line.startswith('kvserve_spec_accepted_tokens_total{drafter="prediction"}')]
+        assert accepted and float(accepted[0].split()[-1]) == details["accepted_prediction_tokens"]
         bad = httpx.post(f"{url}/v1/chat/completions", json={**body, "prediction": {"type": "file"}}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
