@@ -41,6 +41,9 @@ class SpecMode(str, enum.Enum):
 
 # A drafter's acceptance before any of its drafts was verified (optimistic enough to be tried).
 PRIOR_ACCEPTANCE = {"prediction": 0.8, "tree": 0.7, "ngram": 0.5}
+# A draft token less likely than this to be accepted is never drafted, whatever the fitted cost says:
+# a fit on noisy steps can find a token free (b = 0, measured), and rejected rows are never free.
+MIN_GAIN = 0.25
 # Weight of the newest verification in a sequence's acceptance average.
 ACCEPTANCE_EMA = 0.3
 
@@ -143,7 +146,7 @@ class Speculator:
         while heap:
             neg_gain, i = heapq.heappop(heap)
             gain = -neg_gain
-            if gain * self.cost.seconds(tokens) <= expected * self.cost.b:
+            if gain < MIN_GAIN or gain * self.cost.seconds(tokens) <= expected * self.cost.b:
                 break  # (expected + gain) / (seconds + b) would not beat expected / seconds
             keep[i] += 1
             tokens += 1
