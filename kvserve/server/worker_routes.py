@@ -50,6 +50,7 @@ async def server_info(request: Request) -> dict:
         "flash_attn_enabled": engine.pool.ctx.flash_attn,
         "lora_adapters": list(s.lora_paths()),  # by name, in id order
         "adapter_switches": engine.scheduler.times.adapter_switches,  # steps that changed the adapter set
+        "speculative": engine.scheduler.speculator.describe(),  # what drafts, within what length
         "cache": {
             "prefix_cache": s.prefix_cache,
             "kind": engine.cache.keeps,
