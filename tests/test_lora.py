@@ -50,6 +50,22 @@ def test_adapter_sets_are_canonical() -> None:
         adapter_set([("A", float("nan"))])
 
 
+def test_the_planner_serves_each_adapter_set_in_turn() -> None:
+    """The set with work served least recently goes next: three sets take turns whatever their sizes,
+    a set that arrives late is served at once, and one that leaves no longer takes a turn."""
+    from types import SimpleNamespace
+
+    from kvserve.scheduler.batch_plan import BatchPlanner
+
+    planner = BatchPlanner(None, None, None, None)  # type: ignore[arg-type]  # only the set choice runs
+    running = [SimpleNamespace(adapters=a) for a in (A, A, A, B, BASE)]
+    assert [planner._next_adapters(running) for _ in range(6)] == [A, B, BASE, A, B, BASE]
+    late = (("C", 0.5),)
+    running.append(SimpleNamespace(adapters=late))
+    assert planner._next_adapters(running) == late
+    assert [planner._next_adapters(running[3:]) for _ in range(3)] == [B, BASE, late]
+
+
 def test_scale_zero_is_the_base_model_and_an_adapter_changes_greedy_output(smollm2: Path,
                                                                            adapters: dict[str, Path]) -> None:
     """On llama.cpp itself: a zero scale set on the context (not dropped by kvserve) gives the base
