@@ -208,6 +208,19 @@ def test_one_clean_call_after_the_thinking_in_chat(url: str, choice: str) -> Non
     assert [h["function"]["name"] for h in heads] == ["get_weather"]
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_reply_that_may_open_its_own_thinking_calls_at_once(url: str, choice: str) -> None:
+    """enable_thinking false: the prompt closed the block, so the reply might open one itself or
+    not; the grammar allows either, and this one calls at once."""
+    fields = dict(tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False, max_tokens=120,
+                  chat_template_kwargs={"enable_thinking": False})
+    if choice == "auto":
+        fields["logit_bias"] = {str(MARKER): 100}
+    message = chat(url, **fields)["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert "reasoning_content" not in message
+
+
 def test_a_call_after_thinking_in_responses_and_messages(url: str) -> None:
     tool = WEATHER["function"]
     response = httpx.post(f"{url}/v1/responses", json={
