@@ -237,6 +237,16 @@ def test_a_call_after_thinking_in_responses_and_messages(url: str) -> None:
     assert message["stop_reason"] == "tool_use"
 
 
+def test_a_forced_close_is_the_same_under_speculation(tiny, url: str) -> None:
+    """Drafts verified token by token: a forced close is one more token the chain accepts, so a
+    speculating server gives the very reply a plain one gives."""
+    plain = chat(url, max_tokens=60)
+    with serve(tiny("llama", "hermes-think"), threads=1, speculative="ngram") as spec_url:
+        speculated = chat(spec_url, max_tokens=60)
+    assert speculated["choices"] == plain["choices"]
+    assert speculated["usage"]["completion_tokens_details"] == plain["usage"]["completion_tokens_details"]
+
+
 # --- detection ------------------------------------------------------------------------------------------
 
 
