@@ -16,6 +16,7 @@ import pytest
 
 from conftest import serve, served
 from kvserve.reply import ReasoningFormat
+from kvserve.testing import read_metrics
 from kvserve.testing.tiny_models import TEMPLATES
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -243,6 +244,8 @@ def test_a_forced_close_is_the_same_under_speculation(tiny, url: str) -> None:
     plain = chat(url, max_tokens=60)
     with serve(tiny("llama", "hermes-think"), threads=1, speculative="ngram") as spec_url:
         speculated = chat(spec_url, max_tokens=60)
+        drafted = read_metrics(spec_url).total("kvserve_spec_draft_tokens_total")
+    assert drafted > 0  # the random model repeats itself: drafts were verified
     assert speculated["choices"] == plain["choices"]
     assert speculated["usage"]["completion_tokens_details"] == plain["usage"]["completion_tokens_details"]
 
