@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvserve.llama.kv_types import KvType, is_quantized
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -54,6 +56,10 @@ class Settings(BaseSettings):
     flash_attn: Literal["on", "off", "auto"] = Field(
         "auto", description="flash attention: auto is on where llama.cpp picks it and a start-up check passes; off is plain attention, slower, and still rounds by batch shape"
     )
+    cache_type_k: KvType = Field("f16", description="how the KV cache stores K rows: f16, or q8_0, q4_0 ... to hold more tokens")
+    cache_type_v: KvType = Field(
+        "f16", description="how the KV cache stores V rows; a quantized type (q8_0, q4_0 ...) needs flash attention"
+    )
     pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="how /v1/embeddings pools a text's tokens (default: the model's own; mean where it declares none)"
     )
@@ -95,6 +101,12 @@ class Settings(BaseSettings):
     max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
     ui: bool = Field(True, description="serve the playground at / and the live cache view at /ui/cache (--no-ui: neither)")
+    speculative: Literal["off", "auto", "ngram", "tree", "draft"] = Field(
+        "off", description="speculative decoding: auto picks drafters (a request's prediction, the prefix tree, "
+        "n-grams of its own text) and draft lengths from measured acceptance and step cost; ngram and tree draft "
+        "from one source always; draft (a draft model) is not served yet"
+    )
+    draft_max: int = Field(8, ge=1, le=64, description="most draft tokens per sequence and step")
     metrics_compat: Literal["vllm"] | None = Field(
         None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
     )
@@ -113,6 +125,18 @@ class Settings(BaseSettings):
             if "prefix_state_mb" in self.model_fields_set and alias != self.prefix_state_mb:
                 raise ValueError("--prefix-cache-mb is an alias of --prefix-state-mb: give one of them")
             self.prefix_state_mb = alias
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_v_needs_flash_attn(self) -> "Settings":
+        if is_quantized(self.cache_type_v) and self.flash_attn == "off":
+            raise ValueError(f"--cache-type-v {self.cache_type_v} needs flash attention: not with --flash-attn off")
+        return self
+
+    @model_validator(mode="after")
+    def _no_draft_model(self) -> "Settings":
+        if self.speculative == "draft":
+            raise ValueError("--speculative draft (a draft model) is not served yet: use auto, ngram or tree")
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ prefix, so a cached prefix plus a short tail answered differently from the whole
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,9 @@ import numpy as np
 import pytest
 
 from conftest import serve
+from kvserve.cache.chat_marks import mark_messages
+from kvserve.cache.kv_pool import common_prefix
+from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.attention_check import TOLERANCE, choose_flash_attn, probe_kl
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context, ContextParams
@@ -137,3 +141,73 @@ def test_flash_attention_passes_the_check_on_smollm2_and_tiny_models(smollm2: Pa
         finally:
             model.close()
         assert kl is not None and kl <= TOLERANCE / 1.5, path  # measured 0.007 and under 0.001
+
+
+# -- many conversations on one long system prompt --------------------------------------------------
+
+QUESTIONS = ("Which box holds the most marbles?", "How many keys are in the red boxes?",
+             "Name a violet box with more than fifty marbles.", "Is there a white box without keys?",
+             "What colour is item 12?", "Count the amber boxes.", "Which item comes after item 300?",
+             "Do green boxes hold more keys than blue ones?")
+SYSTEM_TOKENS = 1800  # over three windows of 512
+# cache on vs off, first token's top logprobs: a cached prefix (in place or attached) plus its tail is
+# evaluated in other shapes than the whole prompt; measured up to MEASURED below, set at about twice
+CONVERSATION_TOLERANCE = 0.25
+
+
+def _system_prompt(model: Model) -> str:
+    lines = _prefix_text().split("\n")
+    text = ""
+    for line in lines:
+        text += line + "\n"
+        if len(model.tokenize(text, add_special=False)) >= SYSTEM_TOKENS:
+            return text
+    raise AssertionError("the prefix text is too short")
+
+
+def _conversation(system: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def _first_token(url: str, messages: list[dict[str, str]]) -> tuple[dict[str, float], int]:
+    body = {"messages": messages, "max_tokens": 1, "temperature": 0, "logprobs": True, "top_logprobs": TOP}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=900)
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    top = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    return {t["token"]: t["logprob"] for t in top}, reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _together(url: str, conversations: list[list[dict[str, str]]]) -> list[tuple[dict[str, float], int]]:
+    with ThreadPoolExecutor(len(conversations)) as pool:
+        return list(pool.map(lambda messages: _first_token(url, messages), conversations))
+
+
+@pytest.mark.slow
+def test_conversations_on_one_system_prompt_attach_it(gemma3: Path, gemma_model: Model) -> None:
+    """8 conversations on one 1,800-token system prompt (over three windows): after the first, each
+    attaches at least 90% of what it shares with those before it, one after another (in place: the
+    stream the last one left is cut back) and all at once (in other streams: the pages and window
+    kept at the first one's opening), and answers as with the cache off."""
+    system = _system_prompt(gemma_model)
+    template = ChatTemplate.from_model(gemma_model)
+    conversations = [_conversation(system, q) for q in QUESTIONS]
+    prompts = [mark_messages(gemma_model, template, c).tokens for c in conversations]
+    shared = [max((common_prefix(p, q) for q in prompts[:i]), default=0) for i, p in enumerate(prompts)]
+    assert min(shared[1:]) > SYSTEM_TOKENS
+    options = dict(ctx_size=2560, batch_size=BATCH)
+    with serve(gemma3, prefix_cache=False, **options) as url:
+        alone = [_first_token(url, c) for c in conversations]
+    with serve(gemma3, **options) as url:
+        in_turn = [_first_token(url, c) for c in conversations]
+    with serve(gemma3, **options) as url:
+        at_once = _together(url, conversations)
+        cache = httpx.get(f"{url}/v1/cache").json()
+    for name, served in (("one after another", in_turn), ("together", at_once)):
+        attached = [hit / share for (_, hit), share in zip(served[1:], shared[1:])]
+        print(f"{name}: attached {[f'{a:.1%}' for a in attached]} of the shared prefix")
+        assert min(attached) >= 0.9, (name, attached)
+        for i, ((on, _), (off, _)) in enumerate(zip(served, alone)):
+            _assert_close(on, off, CONVERSATION_TOLERANCE, f"{name}, conversation {i}")
+    print(f"window rows kept: {cache['window_bytes']} bytes; held {cache['held_bytes']} of {cache['budget_bytes']}")
+    assert 0 < cache["window_bytes"] and cache["held_bytes"] <= cache["budget_bytes"]
