@@ -1,5 +1,5 @@
-"""python -m bench [compare|sweep|attention|host-tier|kv-types|serving|prefix|checkpoints|soak|embeddings]: each
-writes JSON and Markdown to bench/results/.
+"""python -m bench [compare|sweep|attention|host-tier|kv-types|serving|prefix|checkpoints|soak|embeddings|
+speculative]: each writes JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
 kvserve next to llama-server over 1 to 32 users and prompts of 256 to 4,096 tokens; attention times
@@ -8,18 +8,20 @@ why it is); host-tier times copying a prefix's KV rows to host memory and back a
 it; kv-types puts quantized KV caches beside f16 (bytes, decode time, drift). The others are the
 earlier kvserve-only suites whose numbers docs/benchmarks.md quotes; soak serves thousands of
 requests and charts kvserve's resident memory; embeddings puts kvserve's /v1/embeddings per second
-next to llama-server's.
+next to llama-server's; speculative times decoding with each `--speculative` mode (and llama-server's
+where it is built).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench import attention, checkpoints, compare, embeddings, host_tier, kv_types, prefix, serving, soak, sweep
+from bench import attention, checkpoints, compare, embeddings, host_tier, kv_types, prefix, serving, soak, speculative, sweep
 
 WORKLOADS = ["shared", "multiturn", "unique", "long", "conversations"]
 SERVERS = ["kvserve", "llama-server", "llama-server-defaults", "llama-cpp-python"]
-SUITES = ["compare", "sweep", "attention", "host-tier", "kv-types", "serving", "prefix", "checkpoints", "soak", "embeddings"]
+SUITES = ["compare", "sweep", "attention", "host-tier", "kv-types", "serving", "prefix", "checkpoints", "soak", "embeddings",
+          "speculative"]
 
 
 def main() -> None:
@@ -38,7 +40,8 @@ def main() -> None:
         print(embeddings.main(args.quick, args.servers))
     else:
         suites = {"attention": attention, "host-tier": host_tier, "kv-types": kv_types, "serving": serving,
-                  "prefix": prefix, "checkpoints": checkpoints, "soak": soak}
+                  "prefix": prefix, "checkpoints": checkpoints, "soak": soak,
+                  "speculative": speculative}
         print(suites[args.suite].main())
 
 

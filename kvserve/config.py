@@ -101,6 +101,12 @@ class Settings(BaseSettings):
     max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
     ui: bool = Field(True, description="serve the playground at / and the live cache view at /ui/cache (--no-ui: neither)")
+    speculative: Literal["off", "auto", "ngram", "tree", "draft"] = Field(
+        "off", description="speculative decoding: auto picks drafters (a request's prediction, the prefix tree, "
+        "n-grams of its own text) and draft lengths from measured acceptance and step cost; ngram and tree draft "
+        "from one source always; draft (a draft model) is not served yet"
+    )
+    draft_max: int = Field(8, ge=1, le=64, description="most draft tokens per sequence and step")
     metrics_compat: Literal["vllm"] | None = Field(
         None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
     )
@@ -125,6 +131,12 @@ class Settings(BaseSettings):
     def _quantized_v_needs_flash_attn(self) -> "Settings":
         if is_quantized(self.cache_type_v) and self.flash_attn == "off":
             raise ValueError(f"--cache-type-v {self.cache_type_v} needs flash attention: not with --flash-attn off")
+        return self
+
+    @model_validator(mode="after")
+    def _no_draft_model(self) -> "Settings":
+        if self.speculative == "draft":
+            raise ValueError("--speculative draft (a draft model) is not served yet: use auto, ngram or tree")
         return self
 
     @model_validator(mode="after")

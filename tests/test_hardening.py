@@ -29,9 +29,10 @@ def server(tiny) -> Iterator[tuple[str, FastAPI]]:
         yield pair
 
 
-def engine_idle(app: FastAPI, timeout: float = 10) -> bool:
+def engine_idle(app: FastAPI, timeout: float = 300) -> bool:
     """True once nothing is in flight and every sequence id not lent to the cache is free. The
-    scheduler must have no work left too: mid-step, the snapshot is the previous step's."""
+    scheduler must have no work left too: mid-step, the snapshot is the previous step's. The
+    timeout only bounds a hang: how soon a loaded machine gets there is no part of the check."""
     engine = app.state.engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -118,7 +119,7 @@ def test_non_streamed_client_that_times_out_frees_its_sequence(server, hold) -> 
         httpx.post(f"{url}/v1/completions", json=LONG, timeout=0.5)
     hung_up(app)
     held.release()
-    assert engine_idle(app, timeout=5) and held.decodes < LONG["max_tokens"], "the abandoned request kept running"
+    assert engine_idle(app) and held.decodes < LONG["max_tokens"], "the abandoned request kept running"
     assert app.state.engine.pool.sessions == []
 
 
@@ -136,7 +137,7 @@ def test_openai_stream_that_times_out_frees_its_sequence(server, hold) -> None:
     assert chunks >= 3  # it timed out mid-stream, not before it began
     hung_up(app)
     held.release()
-    assert engine_idle(app, timeout=5) and held.decodes < LONG["max_tokens"], "the abandoned stream kept running"
+    assert engine_idle(app) and held.decodes < LONG["max_tokens"], "the abandoned stream kept running"
     assert app.state.engine.pool.sessions == []
 
 

@@ -18,6 +18,7 @@ from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.embeddings import Embedder, EmbedderConfig, model_pooling
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.speculation import SpecConfig, SpecMode
 
 _log = logging.getLogger("kvserve.engine")
 MIB = 1024 * 1024
@@ -68,7 +69,11 @@ class Engine:
         embedder = Embedder(model, EmbedderConfig(
             pooling=settings.pooling or model_pooling(model), batch_tokens=min(settings.embedding_batch, config.max_seq_len),
             n_threads=settings.threads, queue_timeout=settings.queue_timeout))
-        scheduler = Scheduler(pool, cache, config, embedder)
+        spec = SpecConfig(SpecMode(settings.speculative), settings.draft_max)
+        scheduler = Scheduler(pool, cache, config, embedder, spec)
+        if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:
+            _log.warning("speculative decoding is off: this model's KV rows cannot be cut back "
+                         "(a recurrent state or a sliding window)")
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
         template = ChatTemplate.from_model(model, settings.chat_template_file)
         reasoning = resolve_format(settings.reasoning_format, template.source, model.is_one_token)

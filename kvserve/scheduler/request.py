@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.cache.chat_marks import Mark, MarkKind
 from kvserve.cache.kv_pool import Session
@@ -55,6 +56,7 @@ class Request:
     special_text: bool = False  # the text spells out special tokens (a tool-call marker may be one)
     namespace: str = ""  # whose cached rows it may use and adds to ("": the shared default; see server/namespace.py)
     thinking: ThinkingLimit | None = None  # a reply that thinks first: watched, and closed at its budget
+    prediction: list[int] = field(default_factory=list)  # OpenAI's Predicted Outputs, tokenized: a draft
     arrival: float = field(default_factory=time.monotonic)
     state: RequestState = field(default_factory=RequestState, init=False, repr=False)
 
@@ -87,6 +89,7 @@ class Choice:
     forked: bool = False  # it shares choice 0's prompt cells, so it never donates them
     n_generated: int = 0
     finish_reason: FinishReason | None = None
+    spec: Any = None  # the speculator's `SpecState` of this choice, once it drafted for it
 
     @property
     def unevaluated(self) -> int:
@@ -120,6 +123,8 @@ class Usage:
     cached_tokens: int
     queue_seconds: float
     reasoning_tokens: int = 0  # of completion_tokens, those generated while thinking
+    accepted_prediction_tokens: int = 0  # of the request's `prediction`, verified into the output
+    rejected_prediction_tokens: int = 0  # of the request's `prediction`, drafted and rejected
 
 
 @dataclass

@@ -33,6 +33,8 @@ from kvserve.scheduler.queues import Queues
 from kvserve.scheduler.request import FinishReason, Request, RequestOutput
 from kvserve.scheduler.sampling import Sampling
 from kvserve.scheduler.snapshot import EngineSnapshot
+from kvserve.scheduler.speculation import SpecConfig, Speculator
+from kvserve.scheduler.drafters import TreeDrafter
 from kvserve.scheduler.step_output import StepOutputs
 
 _log = logging.getLogger("kvserve.scheduler")
@@ -50,7 +52,7 @@ class StepTimes:
 
 class Scheduler:
     def __init__(self, pool: KvPool, cache: PrefixCache, config: SchedulerConfig,
-                 embedder: Embedder | None = None) -> None:
+                 embedder: Embedder | None = None, spec: SpecConfig | None = None) -> None:
         self.pool = pool
         self.embedder = embedder  # embedding jobs, one batch of them after each generation step
         self.cache = cache
@@ -60,7 +62,10 @@ class Scheduler:
         self.kv = KvManager(pool, cache)
         self.ending = Ending(self.kv, self.queues)
         self.admission = Admission(self.kv, self.ending, config, self.queues)
-        self.planner = BatchPlanner(self.kv, self.ending, config, self.queues)
+        tree = getattr(cache, "tree", None)
+        self.speculator = Speculator(spec or SpecConfig(), TreeDrafter(tree) if tree is not None else None,
+                                     self.kv.can_cut)
+        self.planner = BatchPlanner(self.kv, self.ending, config, self.queues, self.speculator)
         self.sampling = Sampling(pool.ctx, config.max_seq_len)
         self._inbox: deque[Request] = deque()
         self._aborts: deque[tuple[str, str | None]] = deque()
@@ -137,6 +142,7 @@ class Scheduler:
             cache=self.kv.stats(),
             preemptions=self.preemptions,
             live_samplers=live_samplers(),
+            speculation={name: (s.drafts, s.drafted, s.accepted) for name, s in self.speculator.stats.items()},
         )
 
     def _take_inbox(self, outputs: StepOutputs) -> None:
@@ -163,8 +169,9 @@ class Scheduler:
             return False
         self.last_progress = time.monotonic()
         for slot in slots:
-            self.kv.commit(slot.choice, slot.n_tokens)
-            self.kv.checkpoint_if_at_mark(slot.request, slot.choice)
+            if not slot.draft:  # a draft's rows are kept once verified (`_sample`)
+                self.kv.commit(slot.choice, slot.n_tokens)
+                self.kv.checkpoint_if_at_mark(slot.request, slot.choice)
         for slot in slots:
             if slot.logits_index is not None:
                 self._sample(slot, outputs)
@@ -176,6 +183,7 @@ class Scheduler:
         started = time.perf_counter()
         try:
             self.pool.ctx.decode(self._batch)
+            self.speculator.cost.observe(self._batch.n_tokens, time.perf_counter() - started)
         except NoKvSlot:
             self.planner.shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry
             return False
@@ -190,9 +198,14 @@ class Scheduler:
         """The slot's sequence has evaluated all it knows: donate a finished prompt, let waiting
         siblings fork from it, then every one of them takes its next token."""
         request, choice = slot.request, slot.choice
-        self.kv.donate_evaluated_prompt(request, choice)
-        for each in (choice, *self.kv.fork_waiting_siblings(request, choice)):
-            self.sampling.take_token(request, each, slot.logits_index, outputs)
+        if slot.draft:
+            accepted = self.sampling.verify(request, choice, slot.logits_index, slot.draft, outputs)
+            self.kv.commit(choice, slot.n_tokens + accepted, slot.n_decoded)
+            self.speculator.record(choice.spec, slot.drafter, len(slot.draft), accepted)
+        else:
+            self.kv.donate_evaluated_prompt(request, choice)
+            for each in (choice, *self.kv.fork_waiting_siblings(request, choice)):
+                self.sampling.take_token(request, each, slot.logits_index, outputs)
         if request.state.finished:
             self.ending.end(request, None, outputs)
 

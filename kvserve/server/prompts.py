@@ -261,10 +261,14 @@ async def chat_job(engine: Engine, body: ChatCompletionRequest, *, tenant: str |
     prompt = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body, engine.reasoning)
     params = await asyncio.to_thread(chat_sampling, engine.model, body, prompt.tools)  # grammars: off the loop
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    prediction = body.prediction.text if body.prediction is not None else ""
+    predicted = await asyncio.to_thread(
+        lambda: engine.model.tokenize(prediction, add_special=False, parse_special=False)) if prediction else []
     special = prompt.reasoning is not None or (prompt.tools is not None and prompt.tools.special_text)
     job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl", "messages",
                         tenant=tenant, marks=prompt.marks, special_text=special,
-                        thinking=thinking_limit(engine, prompt.reasoning, body.reasoning_budget))
+                        thinking=thinking_limit(engine, prompt.reasoning, body.reasoning_budget),
+                        prediction=predicted)
     return job, prompt.reply
 
 
@@ -280,7 +284,7 @@ def thinking_limit(engine: Engine, syntax: ReasoningSyntax | None, budget: int |
 def build_request(
     prompt: list[int], body: Sampling, params: SamplingParams, logprobs: int | None, limits: SchedulerConfig,
     prefix: str, param: str, *, tenant: str | None, marks: list[Mark] | None = None, special_text: bool = False,
-    thinking: ThinkingLimit | None = None,
+    thinking: ThinkingLimit | None = None, prediction: list[int] | None = None,
 ) -> Request:
     """The request for `prompt`, in the cache namespace of `tenant` and the body's salt; a prompt
     that is empty or leaves no room is a 400 naming `param`, the field of the body that holds it."""
@@ -305,4 +309,5 @@ def build_request(
         special_text=special_text,
         namespace=job_namespace(body, tenant),
         thinking=thinking,
+        prediction=prediction or [],
     )

@@ -208,8 +208,25 @@ class Sampling(Body):
         return value
 
 
+class PredictionText(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(Body):
+    """OpenAI's Predicted Outputs: text the reply will likely repeat (a file being edited)."""
+
+    type: Literal["content"]
+    content: Union[str, list[PredictionText]]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+    prediction: Prediction | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

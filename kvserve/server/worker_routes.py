@@ -48,6 +48,7 @@ async def server_info(request: Request) -> dict:
         "engine": "kvserve",
         "flash_attn": engine.attention.as_dict(),  # what runs and why (--flash-attn and the self-check)
         "flash_attn_enabled": engine.pool.ctx.flash_attn,
+        "speculative": engine.scheduler.speculator.describe(),  # what drafts, within what length
         "cache": {
             "prefix_cache": s.prefix_cache,
             "kind": engine.cache.keeps,
