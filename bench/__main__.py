@@ -1,4 +1,4 @@
-"""python -m bench [compare|sweep|attention|host-tier|serving|prefix|checkpoints|soak|embeddings]: each writes
+"""python -m bench [compare|sweep|attention|host-tier|serving|prefix|checkpoints|soak|embeddings|cache-view]: each writes
 JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
@@ -7,18 +7,20 @@ raw llama_decode calls in a unified KV cache against a stream per sequence (kvse
 why it is); host-tier times copying a prefix's KV rows to host memory and back against prefilling
 it. The others are the earlier kvserve-only suites whose numbers docs/benchmarks.md quotes; soak
 serves thousands of requests and charts kvserve's resident memory; embeddings puts kvserve's
-/v1/embeddings per second next to llama-server's.
+/v1/embeddings per second next to llama-server's; cache-view times /v1/cache, /metrics and the
+/ui/cache page with 10,000 cached pages.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench import attention, checkpoints, compare, embeddings, host_tier, prefix, serving, soak, sweep
+from bench import attention, cache_view, checkpoints, compare, embeddings, host_tier, prefix, serving, soak, sweep
 
 WORKLOADS = ["shared", "multiturn", "unique", "long", "conversations"]
 SERVERS = ["kvserve", "llama-server", "llama-server-defaults", "llama-cpp-python"]
-SUITES = ["compare", "sweep", "attention", "host-tier", "serving", "prefix", "checkpoints", "soak", "embeddings"]
+SUITES = ["compare", "sweep", "attention", "host-tier", "serving", "prefix", "checkpoints", "soak", "embeddings",
+          "cache-view"]
 
 
 def main() -> None:
@@ -37,7 +39,7 @@ def main() -> None:
         print(embeddings.main(args.quick, args.servers))
     else:
         suites = {"attention": attention, "host-tier": host_tier, "serving": serving, "prefix": prefix,
-                  "checkpoints": checkpoints, "soak": soak}
+                  "checkpoints": checkpoints, "soak": soak, "cache-view": cache_view}
         print(suites[args.suite].main())
 
 

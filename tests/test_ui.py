@@ -232,6 +232,7 @@ def test_the_cache_view_draws_only_the_top_chains_of_ten_thousand(page, url: str
     best = sorted(big["chains"], key=lambda c: (-c["hits"], -c["tokens"]))[:20]
     assert [int(h) for h in rows.locator("td.hits").all_inner_texts()] == [c["hits"] for c in best]
     assert rows.locator("td.preview").all_inner_texts() == [c["preview"] for c in best]
+    assert re.search(r"read in \d+ ms, drawn in \d+ ms$", page.inner_text("#updated"))  # what bench cache-view reads
 
 
 # --- --api-key and --no-ui -------------------------------------------------------------------------------

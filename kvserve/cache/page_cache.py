@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
-from kvserve.cache.host_store import HostStore, size_of
+from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.page_tree import PageNode, PageTree
 from kvserve.cache.prefix_cache import PrefixCache
@@ -48,7 +48,7 @@ class Chain:
             "id": self.id,
             "tokens": len(self.path) * page_rows,
             "pages_alive": len(alive),
-            "bytes": sum(size_of(page) for page in map(store.peek, alive) if page is not None),
+            "bytes": sum(map(store.size, alive)),
             "hits": self.hits,
             "preview": self.preview,
         }
