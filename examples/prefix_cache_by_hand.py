@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.cache import MarkKind, add_user, create_chat_renderer, create_kv_pool, render_turn_marked
+from kvserve.cache import (
+    MarkKind, PrefixKey, add_user, create_chat_renderer, create_kv_pool, render_turn_marked,
+)
 from kvserve.config import embedded_model_path
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.model import Model
@@ -57,14 +59,15 @@ def pages() -> None:
     chain = cache.insert(a, a.tokens, preview="Where is Lyon?")
     print(f"A donated {len(a.tokens)} evaluated tokens as chain {chain.id}: {cache.stats().held_pages} full pages")
 
-    print(f"the cache holds {cache.match_len(prompt_b)} of B's {len(prompt_b)} leading tokens")
+    key_b = PrefixKey("", prompt_b)  # "": the shared namespace (a tenant's would keep B's rows its own)
+    print(f"the cache holds {cache.match_len(key_b)} of B's {len(prompt_b)} leading tokens")
     b = pool.new_session()
-    attached = cache.attach(b, prompt_b)
+    attached = cache.attach(b, key_b)
     tail = prompt_b[attached:]
     reply_b = greedy_reply(pool, b, pool.eval(b, tail), model)
     print(f"B attached {attached} tokens, prefilled only {len(tail)}, and answered: {reply_b!r}")
 
-    for entry in cache.view()["chains"]:
+    for entry in cache.view("")["chains"]:
         print("chain", entry)
     print(f"held pages: {cache.stats().held_pages} ({cache.bytes_used} bytes of host memory), "
           f"KV cells in use: {pool.used_cells} of {pool.n_cells}")
@@ -99,10 +102,10 @@ def checkpoints(model_path: Path) -> None:
     add_user(chat_b, "Where is Kyoto?")
     turn_b = render_turn_marked(model, chat_b)
     b = pool.new_session()
-    restored = cache.attach(b, turn_b.tokens)
+    restored = cache.attach(b, PrefixKey("", turn_b.tokens))
     pool.eval(b, turn_b.tokens[restored:])
     print(f"B restored the checkpoint at {restored} and prefilled only {len(turn_b.tokens) - restored} tokens")
-    print("checkpoints", cache.view()["checkpoints"])
+    print("checkpoints", cache.view("")["checkpoints"])
 
     pool.end_session(a)
     pool.end_session(b)

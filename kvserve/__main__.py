@@ -25,8 +25,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvserve: {_one_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
 
+    from kvserve.scheduler.engine import check_flash_attn
     from kvserve.server.app import serve
 
+    try:
+        check_flash_attn(settings)
+    except ValueError as exc:
+        print(f"kvserve: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     serve(settings)
 
 

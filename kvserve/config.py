@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvserve.llama.kv_types import KvType, is_quantized
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -54,6 +56,10 @@ class Settings(BaseSettings):
     flash_attn: Literal["on", "off", "auto"] = Field(
         "auto", description="flash attention: auto is on where llama.cpp picks it and a start-up check passes; off is plain attention, slower, and still rounds by batch shape"
     )
+    cache_type_k: KvType = Field("f16", description="how the KV cache stores K rows: f16, or q8_0, q4_0 ... to hold more tokens")
+    cache_type_v: KvType = Field(
+        "f16", description="how the KV cache stores V rows; a quantized type (q8_0, q4_0 ...) needs flash attention"
+    )
     pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="how /v1/embeddings pools a text's tokens (default: the model's own; mean where it declares none)"
     )
@@ -83,6 +89,9 @@ class Settings(BaseSettings):
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
     api_key_file: Path | None = Field(None, description="file of accepted keys, one per line ('#' comments)")
     metrics_need_key: bool = Field(False, description="/metrics needs the key too (it is public by default)")
+    cache_isolation: Literal["key", "none"] = Field(
+        "key", description="key: each API key's prompts share cached rows only with that key's; none: all keys share"
+    )
     max_queue: int = Field(512, ge=0, description="requests that may wait beyond --parallel running ones; more get 429")
     queue_timeout: float = Field(600.0, ge=0, description="seconds a request may wait for a slot before a 503 (0: forever)")
     drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests finish")
@@ -110,6 +119,12 @@ class Settings(BaseSettings):
             if "prefix_state_mb" in self.model_fields_set and alias != self.prefix_state_mb:
                 raise ValueError("--prefix-cache-mb is an alias of --prefix-state-mb: give one of them")
             self.prefix_state_mb = alias
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_v_needs_flash_attn(self) -> "Settings":
+        if is_quantized(self.cache_type_v) and self.flash_attn == "off":
+            raise ValueError(f"--cache-type-v {self.cache_type_v} needs flash attention: not with --flash-attn off")
         return self
 
     @model_validator(mode="after")

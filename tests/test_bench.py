@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import attention, host_tier, sweep, workloads
+from bench import attention, host_tier, kv_types, sweep, workloads
 from bench import embeddings as bench_embeddings
 from bench.client import Result, stream_chat
 from bench.report import markdown, targets
@@ -295,3 +295,17 @@ def test_embedding_report_rows() -> None:
     text = bench_embeddings.markdown({"machine": MACHINE, "rows": rows})
     assert "| kvserve | single | 256 | 64 | 1.000000 |" in text
     assert "| llama-server | single | 256 | 51.2 | 0.999910 |" in text
+
+
+def test_kv_types_reports_bytes_time_and_drift_per_type(smollm2: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"CONTEXT": 64, "CHUNK": 32, "ROUNDS": 1, "STEPS": 1}.items():
+        monkeypatch.setattr(kv_types, name, value)
+    monkeypatch.setattr(kv_types, "checked_probe_kl", lambda *args: 0.001)  # its own tests run it
+    kv_types.main(smollm2, threads=1, out=tmp_path)
+    rows = json.loads((tmp_path / "kv_types.json").read_text())["types"]
+    assert list(rows) == ["f16", "q8_0", "q4_0"]
+    assert rows["f16"]["mean_abs_dlogprob"] == 0 and rows["q4_0"]["max_abs_dlogprob"] > 0
+    assert rows["f16"]["host_bytes_per_token"] > rows["q8_0"]["host_bytes_per_token"] > rows["q4_0"]["host_bytes_per_token"]
+    assert all(r["decode_ms_at_context"] > 0 for r in rows.values())
+    assert "| q8_0 |" in (tmp_path / "kv_types.md").read_text()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from equality import TINY_TOLERANCE, TOP, assert_like_alone
-from kvserve.cache import create_kv_pool
+from kvserve.cache import PrefixKey, create_kv_pool
 from kvserve.llama.batch import Batch
 from kvserve.llama.model import Model
 from kvserve.llama.seq_state import KvPage
@@ -147,12 +147,12 @@ def test_attach_equality_fails_on_misplaced_rows(tiny, monkeypatch: pytest.Monke
         pool.eval(session, prompt)
         cache.insert(session, session.tokens)
         pool.end_session(session)
-    pages_of_a = [cache.store.peek(node) for node in cache.tree.match(a, len(a))]
+    pages_of_a = [cache.store.peek(node) for node in cache.tree.match(PrefixKey("", a), len(a))]
     real_attach = cache.rows.attach
     monkeypatch.setattr(cache.rows, "attach",
                         lambda seq, pages, n: real_attach(seq, MUTANTS[mutant](pages, pages_of_a), n))
     session = pool.new_session()
-    assert cache.attach(session, b) == 64
+    assert cache.attach(session, PrefixKey("", b)) == 64
     attached = _traced_generate(pool, session, b[64:], 8)
     pool.end_session(session)
     monkeypatch.undo()

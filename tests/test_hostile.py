@@ -269,7 +269,7 @@ def test_an_unexpected_exception_is_an_openai_500_logged_with_the_request_id_and
     from kvserve.server.logs import RequestIdFilter
     from kvserve.testing.metrics import Metrics
 
-    async def broken(*_: Any) -> None:
+    async def broken(*_: Any, **__: Any) -> None:
         raise RuntimeError("a bug with a secret in its message")
 
     caplog.handler.addFilter(RequestIdFilter())

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import engine, greedy, run
-from kvserve.cache import KvPool, StreamPool, create_kv_pool
+from kvserve.cache import KvPool, PrefixKey, StreamPool, create_kv_pool
 from kvserve.llama.model import Model
 
 PAGE = 16
@@ -68,9 +68,9 @@ def test_attach_then_tail_prefill_equals_scratch(model: Model) -> None:
     pool.end_session(a)
 
     expected = shared // PAGE * PAGE  # a partial match ending mid-prompt, on a page boundary
-    assert cache.match_len(prompt_b) == expected > 0
+    assert cache.match_len(PrefixKey("", prompt_b)) == expected > 0
     b = pool.new_session()
-    assert cache.attach(b, prompt_b) == expected
+    assert cache.attach(b, PrefixKey("", prompt_b)) == expected
     assert b.n_past == expected and _positions(pool, b) == (0, expected - 1)
     out_b = _generate(pool, b, prompt_b[b.n_past :], 8)
     pool.end_session(b)
@@ -91,9 +91,9 @@ def test_prompt_equal_to_a_chain_attaches_one_token_short(model: Model) -> None:
     pool.end_session(a)
     assert cache.held_pages == 3
     # The whole prompt is cached, but the model must evaluate its last token to produce logits.
-    assert cache.match_len(prompt) == 2 * PAGE
+    assert cache.match_len(PrefixKey("", prompt)) == 2 * PAGE
     b = pool.new_session()
-    cache.attach(b, prompt)
+    cache.attach(b, PrefixKey("", prompt))
     tail = prompt[b.n_past :]
     assert len(tail) == PAGE
     logits = pool.eval(b, tail)
@@ -113,14 +113,14 @@ def test_match_len_touches_nothing(tiny) -> None:
     pool.eval(a, prompt)
     cache.insert(a, a.tokens, preview="a")
     pool.end_session(a)
-    before = (cache.view()["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
-    assert cache.match_len(prompt) > 0
-    assert cache.match_len(prompt + [5, 6, 7]) > 0
-    after = (cache.view()["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
+    before = (cache.view("")["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
+    assert cache.match_len(PrefixKey("", prompt)) > 0
+    assert cache.match_len(PrefixKey("", prompt + [5, 6, 7])) > 0
+    after = (cache.view("")["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
     assert after == before
     b = pool.new_session()
-    cache.attach(b, prompt)
-    assert cache.view()["chains"][0]["hits"] == 1  # attach, unlike match_len, counts
+    cache.attach(b, PrefixKey("", prompt))
+    assert cache.view("")["chains"][0]["hits"] == 1  # attach, unlike match_len, counts
     pool.end_session(b)
     cache.release()
     pool.close()
@@ -134,15 +134,15 @@ def test_shared_pages_are_held_once_and_release_frees_every_byte(tiny) -> None:
     for i in range(6):  # branches off a shared trunk, some sharing more than others
         tokens = base[: 20 + 9 * i] + model.tokenize(f" branch {i} " * (i + 1), add_special=False)
         s = pool.new_session()
-        if cache.match_len(tokens):
-            cache.attach(s, tokens)
+        if cache.match_len(PrefixKey("", tokens)):
+            cache.attach(s, PrefixKey("", tokens))
             assert _positions(pool, s) == (0, s.n_past - 1)  # exactly the attached rows, nothing after
         pool.eval(s, tokens[s.n_past :])
         cache.insert(s, s.tokens)
         pool.end_session(s)
         assert 0 < cache.bytes_used == cache.stats().held_bytes <= cache.budget_bytes
     # shared trunk pages are held once: fewer pages than the chains' lengths add up to
-    assert cache.held_pages < sum(c["tokens"] for c in cache.view()["chains"]) // PAGE
+    assert cache.held_pages < sum(c["tokens"] for c in cache.view("")["chains"]) // PAGE
     cache.release()
     assert cache.bytes_used == 0 and cache.held_pages == 0 and not cache.chains
     pool.drop_resident()
@@ -170,23 +170,23 @@ def test_a_stream_keeps_its_rows_for_the_next_turn(tiny) -> None:
     model = Model(tiny("llama"))
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=3)
     turn1 = model.tokenize(SYSTEM + " First question?", add_special=True)
-    a = pool.new_session(turn1)
+    a = pool.new_session(PrefixKey("", turn1))
     answer = _generate(pool, a, turn1, 5)
     pool.end_session(a)
     turn2 = turn1 + answer + model.tokenize(" Second question?", add_special=False)
-    b = pool.new_session(turn2)
+    b = pool.new_session(PrefixKey("", turn2))
     assert b.seq == a.seq and b.n_past == len(turn1) + len(answer)  # kept in place: only the new tail to evaluate
     assert pool.inplace_reuses == 1 and pool.inplace_tokens == b.n_past
     in_place = _generate(pool, b, turn2[b.n_past :], 6)
     pool.end_session(b)
     other = turn1[:30] + [7, 8, 9]
-    c = pool.new_session(other)
+    c = pool.new_session(PrefixKey("", other))
     assert c.n_past == 30 and _positions(pool, c) == (0, 29)  # cut back to what it shares
     cut = _generate(pool, c, other[30:], 6)
     pool.end_session(c)
     assert in_place == _from_scratch(pool, turn2, 6)
     assert cut == _from_scratch(pool, other, 6)
-    assert pool.resident_match([1, 2, 3]) == 0 and pool.inplace_reuses == 2
+    assert pool.resident_match(PrefixKey("", [1, 2, 3])) == 0 and pool.inplace_reuses == 2
     pool.close()
     model.close()
 
@@ -201,7 +201,7 @@ def test_new_sessions_keep_live_streams_in_a_run(tiny) -> None:
     assert [s.seq for s in sessions] == [0, 1, 2, 3]  # empty streams from the first
     pool.eval(sessions[1], prompt)
     pool.end_session(sessions[1])  # stream 1 keeps its rows, streams 4 and 5 are empty
-    fresh = pool.new_session([9, 9, 9])
+    fresh = pool.new_session(PrefixKey("", [9, 9, 9]))
     assert fresh.seq == 1 and fresh.n_past == 0  # the gap is filled; its rows went
     assert _positions(pool, fresh) == (-1, -1)
     for s in (sessions[0], fresh, sessions[2], sessions[3]):
@@ -271,8 +271,9 @@ def test_pages_go_least_recently_used_first(tiny) -> None:
     for prompt in prompts[1:]:
         _donate(pool, cache, prompt)
         assert cache.bytes_used <= cache.budget_bytes
-    assert cache.match_len(prompts[-1]) > 0 and cache.match_len(prompts[-2]) > 0  # the newest survive
-    assert cache.match_len(prompts[0]) == 0 and cache.match_len(prompts[1]) == 0  # the oldest went first
+    cached = [cache.match_len(PrefixKey("", prompt)) for prompt in prompts]
+    assert cached[-1] > 0 and cached[-2] > 0  # the newest survive
+    assert cached[0] == 0 and cached[1] == 0  # the oldest went first
     cache.release()
     pool.close()
     model.close()
@@ -286,18 +287,18 @@ def test_cold_pages_go_before_hot_ones(tiny) -> None:
     _donate(pool, cache, shared)
     cache.store.budget_bytes = 3 * cache.bytes_used
     reader = pool.new_session()
-    hot = cache.attach(reader, shared + [5])
+    hot = cache.attach(reader, PrefixKey("", shared + [5]))
     pool.end_session(reader)
     assert hot >= 2 * PAGE
     for i in range(8):
         _donate(pool, cache, model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 8, add_special=True))
-        assert cache.match_len(shared + [5]) == hot
+        assert cache.match_len(PrefixKey("", shared + [5])) == hot
         assert cache.bytes_used <= cache.budget_bytes
     assert cache.stats().evicted_pages > 0 and cache.tree.n_cold > 0
     cold = [node for node in cache.tree.leaves_first() if not node.hits]
     cache.store.evict(sum(cache.store.peek(node).nbytes for node in cold))  # exactly the cold pages' bytes
     assert not any(node.alive for node in cold)
-    assert cache.tree.n_cold == 0 and cache.match_len(shared + [5]) == hot
+    assert cache.tree.n_cold == 0 and cache.match_len(PrefixKey("", shared + [5])) == hot
     cache.release()
     pool.close()
     model.close()

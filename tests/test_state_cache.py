@@ -11,7 +11,7 @@ import pytest
 
 from conftest import engine, greedy, run
 from kvserve.cache import (
-    MarkKind, StateCache, add_assistant, add_user, create_chat_renderer, create_kv_pool, render_turn_marked,
+    MarkKind, PrefixKey, StateCache, add_assistant, add_user, create_chat_renderer, create_kv_pool, render_turn_marked,
 )
 from kvserve.cache.chat_marks import mark_messages
 from kvserve.llama.model import Model
@@ -48,16 +48,42 @@ def test_restored_checkpoint_equals_scratch_by_hand(tiny, arch: str) -> None:
     add_user(chat_b, "How long does a route to Oslo take?")
     turn_b = render_turn_marked(model, chat_b)
     assert turn_b.opening == turn_a.opening  # the opening does not depend on the question
-    assert cache.match_len(turn_b.tokens) == turn_b.opening
+    assert cache.match_len(PrefixKey("", turn_b.tokens)) == turn_b.opening
     b = pool.new_session()
-    assert cache.attach(b, turn_b.tokens) == turn_b.opening
+    assert cache.attach(b, PrefixKey("", turn_b.tokens)) == turn_b.opening
     assert cache.checkpoint_at(b, turn_b.tokens, b.n_past, turn_b.opening) == 0  # already cached there
     restored = _greedy(pool, b, pool.eval(b, turn_b.tokens[b.n_past :]), 12)
     pool.end_session(b)
     scratch = pool.new_session()
     assert _greedy(pool, scratch, pool.eval(scratch, turn_b.tokens), 12) == restored
     pool.end_session(scratch)
-    assert cache.view()["checkpoints"][0]["kind"] == "opening" and cache.view()["checkpoints"][0]["hits"] == 1
+    assert cache.view("")["checkpoints"][0]["kind"] == "opening" and cache.view("")["checkpoints"][0]["hits"] == 1
+    cache.release()
+    pool.close()
+    model.close()
+
+
+def test_checkpoints_stay_in_their_namespace(tiny) -> None:
+    """A checkpoint (and the stream it was taken in) serves only keys of its own namespace."""
+    model = Model(tiny("lfm2"))
+    pool, cache = create_kv_pool(model, 16, n_ctx_seq=512, n_streams=2, max_states=4, budget_bytes=1 << 20)
+    chat = create_chat_renderer(model, SYSTEM)
+    add_user(chat, "Where is parcel 17?")
+    turn = render_turn_marked(model, chat)
+    key_a, key_b = PrefixKey("tenant:a", turn.tokens), PrefixKey("tenant:b", turn.tokens)
+    a = pool.new_session(PrefixKey("tenant:a"))
+    pool.eval(a, turn.tokens[: turn.opening])
+    cache.insert(a, a.tokens, kind=MarkKind.OPENING)
+    pool.end_session(a)
+    assert cache.match_len(key_a) == pool.resident_match(key_a) == turn.opening
+    assert cache.match_len(key_b) == pool.resident_match(key_b) == 0
+    b = pool.new_session(PrefixKey("tenant:b"))
+    assert cache.attach(b, key_b) == 0 and b.tokens == []
+    with pytest.raises(ValueError):
+        cache.attach(b, key_a)  # a session reads only its own namespace's rows
+    assert cache.checkpoint_at(b, turn.tokens, 0, turn.opening) == turn.opening  # B has none there yet
+    assert cache.view("tenant:b")["checkpoints"] == [] and len(cache.view("tenant:a")["checkpoints"]) == 1
+    pool.end_session(b)
     cache.release()
     pool.close()
     model.close()
@@ -141,6 +167,6 @@ def test_flood_keeps_the_budget_and_evicts_conversations_first(tiny, arch: str) 
                 e.scheduler.step()
                 peak = max(peak, cache.bytes_used)
                 assert cache.bytes_used <= cache.budget_bytes
-        kinds = [c["kind"] for c in cache.view()["checkpoints"]]
+        kinds = [c["kind"] for c in cache.view("")["checkpoints"]]
         assert kinds.count("opening") == 2, kinds  # both system openings kept
         assert cache.stats().state_evictions > 0 and peak > 2 * state_size

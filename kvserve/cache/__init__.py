@@ -2,13 +2,16 @@
 
     pool, cache = create_kv_pool(model, page_rows=16)   # a stream per session; pages in host memory
     a = pool.new_session(); pool.eval(a, prompt_a); cache.insert(a, a.tokens, preview="A")
-    cache.match_len(prompt_b)             # how much of B is cached; touches nothing
-    b = pool.new_session(); cache.attach(b, prompt_b); pool.eval(b, prompt_b[b.n_past:])
-    cache.view(); cache.stats()
+    key_b = PrefixKey("", prompt_b)      # "" is the shared namespace
+    cache.match_len(key_b)                # how much of B is cached; touches nothing
+    b = pool.new_session(); cache.attach(b, key_b); pool.eval(b, prompt_b[b.n_past:])
+    cache.view(""); cache.stats()
     pool.end_session(a); pool.end_session(b); cache.release(); pool.close()
 
-`pool.new_session(tokens)` instead places the session in place: in the idle stream that still holds
-the longest prefix of `tokens`, which it keeps.
+`pool.new_session(key)` instead places the session in place: in the idle stream of `key`'s
+namespace that still holds the longest prefix of its tokens, which it keeps. A session's namespace
+(its key's, at `new_session`) is what it may attach and what it donates to: a key of another
+namespace never matches its rows.
 
 Models that carry state (Mamba, LFM2, hybrids) get checkpoints instead of pages: render the chat
 with `render_turn_marked`, ask `cache.checkpoint_at` where a mark is worth stopping the prefill,
@@ -28,8 +31,10 @@ from kvserve.cache.kv_pool import KvPool, PoolExhausted, Session, StreamPool
 from kvserve.cache.no_cache import NoCache
 from kvserve.cache.page_cache import Chain, PageCache
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.cache.state_cache import Checkpoint, StateCache
 from kvserve.llama.context import Context, ContextParams, FlashAttn
+from kvserve.llama.kv_types import KvType
 from kvserve.llama.model import Model
 
 DEFAULT_CACHE_BUDGET = 256 * 1024 * 1024
@@ -50,11 +55,13 @@ def create_prefix_cache(ctx: Context, page_rows: int, *, enabled: bool = True,
 
 def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, n_streams: int = 8,
                    n_batch: int = 512, n_threads: int = 2, flash_attn: FlashAttn = "auto",
+                   kv_types: tuple[KvType, KvType] = ("f16", "f16"),
                    **cache_options: Any) -> tuple[StreamPool, PrefixCache]:
-    """A context of `n_streams` streams of `n_ctx_seq` cells each over `model`, the pool of its
-    streams, and the prefix cache its sessions share (`cache_options`: those of `create_prefix_cache`)."""
+    """A context of `n_streams` streams of `n_ctx_seq` cells each over `model`, its KV rows stored as
+    `kv_types` (K, V), the pool of its streams, and the prefix cache its sessions share
+    (`cache_options`: those of `create_prefix_cache`); pages keep the rows as stored."""
     params = ContextParams(n_ctx_seq=n_ctx_seq, n_batch=max(n_batch, n_streams), n_seq_max=n_streams,
-                           n_threads=n_threads, flash_attn=flash_attn)
+                           n_threads=n_threads, flash_attn=flash_attn, type_k=kv_types[0], type_v=kv_types[1])
     ctx = Context(model, params)
     cache = create_prefix_cache(ctx, page_rows, **cache_options)
     return StreamPool(ctx, on_end=cache.unlock, reuse=cache_options.get("enabled", True)), cache
@@ -63,6 +70,6 @@ def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, 
 __all__ = [
     "CacheStats", "Chain", "Chat", "Checkpoint", "HostStore", "KvPool", "Mark", "MarkKind", "MarkedTurn", "NoCache",
     "PageCache",
-    "PoolExhausted", "PrefixCache", "Session", "StateCache", "StreamPool", "add_assistant", "add_user",
+    "PoolExhausted", "PrefixCache", "PrefixKey", "Session", "StateCache", "StreamPool", "add_assistant", "add_user",
     "create_chat_renderer", "create_kv_pool", "create_prefix_cache", "render_turn_marked",
 ]

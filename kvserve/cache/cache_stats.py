@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -21,3 +21,8 @@ class CacheStats:
     state_bytes: int = 0  # recurrent states kept
     opening_checkpoints: int = 0
     conversation_checkpoints: int = 0
+    namespaces: int = 0  # namespaces that hold cached rows (pages, checkpoints, an idle stream's)
+    # prompt tokens of started requests, and of those not evaluated, by namespace kind ("shared",
+    # "tenant", "tenant+salt", ...: never a namespace itself)
+    kind_queried: dict[str, int] = field(default_factory=dict)
+    kind_hits: dict[str, int] = field(default_factory=dict)

@@ -3,12 +3,15 @@
 A session is one stream: sequence id `seq` lives in stream `seq`, `n_ctx_seq` cells long. When a
 session ends its stream keeps its rows (it is *resident*) until a new session needs the stream; a
 new session whose tokens continue what a resident stream holds is placed there and keeps those
-rows (in-place reuse: nothing copied, nothing recomputed).
+rows (in-place reuse: nothing copied, nothing recomputed). Placement matches on a `PrefixKey`: a
+stream's rows belong to the namespace of the session that computed them.
 
 Invariants (checked by tests through llama.cpp's own positions):
 - a stream holds exactly its live session's `tokens`, or, idle, its `resident` tokens: positions
   `0 .. len-1`, nothing else;
 - a stream is either live (one session) or idle; sessions never exceed the streams;
+- a session is placed only in a stream whose resident rows are of its own namespace, and a fork
+  takes its parent's namespace with its rows;
 - rows are cut back only where the model allows it (`cuttable`): never for a recurrent state or a
   sliding window, whose earlier rows the stream no longer has.
 """
@@ -21,6 +24,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from kvserve.cache.page_tree import tick
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context
 
@@ -31,10 +35,12 @@ class PoolExhausted(RuntimeError):
 
 @dataclass(eq=False)
 class Session:
-    """One sequence: its stream's id and the tokens the stream holds, in order."""
+    """One sequence: its stream's id, the tokens the stream holds, in order, and the namespace they
+    were computed under (what it may attach, keep in place and donate)."""
 
     seq: int
     tokens: list[int] = field(default_factory=list)
+    namespace: str = ""
 
     @property
     def n_past(self) -> int:
@@ -45,6 +51,7 @@ class Session:
 class Stream:
     seq: int
     resident: list[int] = field(default_factory=list)  # what an idle stream still holds
+    namespace: str = ""  # of the resident rows
     session: Session | None = None
     last_used: int = 0
 
@@ -74,16 +81,20 @@ class KvPool(Protocol):
     @property
     def live_sessions(self) -> int: ...
 
-    def stream_view(self) -> list[dict]:
-        """Each stream as /v1/cache shows it: `live` (a session runs in it), `resident` (idle, its
-        rows kept for a continuation) or `empty`, and the tokens it holds."""
+    def stream_view(self, namespace: str) -> list[dict]:
+        """Each stream as /v1/cache shows a caller of `namespace`: `live` (a session runs in it),
+        `resident` (idle, its rows kept for a continuation), `empty`, or `other` (its rows are of
+        another namespace, so neither they nor their length are shown), and the tokens it holds."""
         ...
 
-    def resident_match(self, tokens: list[int]) -> int:
-        """Leading tokens of `tokens` an idle stream holds and `new_session(tokens)` keeps. Touches nothing."""
+    def resident_match(self, key: PrefixKey) -> int:
+        """Leading tokens of `key` an idle stream of its namespace holds and `new_session(key)` keeps.
+        Touches nothing."""
         ...
 
-    def new_session(self, tokens: list[int] | None = None) -> Session: ...
+    def new_session(self, key: PrefixKey | None = None) -> Session: ...
+
+    def namespaces(self) -> set[str]: ...
 
     def fork(self, parent: Session, child: Session) -> None: ...
 
@@ -151,9 +162,17 @@ class StreamPool:
     def free_streams(self) -> int:
         return self.n_streams - self.live_sessions
 
-    def stream_view(self) -> list[dict]:
-        return [{"seq": s.seq, "state": "live" if s.session else "resident" if s.resident else "empty",
-                 "tokens": len(s.session.tokens if s.session else s.resident)} for s in self.streams]
+    def stream_view(self, namespace: str) -> list[dict]:
+        return [self._stream_state(s, namespace) for s in self.streams]
+
+    @staticmethod
+    def _stream_state(stream: Stream, namespace: str) -> dict:
+        held = stream.session.tokens if stream.session else stream.resident
+        owner = stream.session.namespace if stream.session else stream.namespace
+        if held and owner != namespace:
+            return {"seq": stream.seq, "state": "other", "tokens": 0}
+        state = "live" if stream.session else "resident" if held else "empty"
+        return {"seq": stream.seq, "state": state, "tokens": len(held)}
 
     @property
     def sessions(self) -> list[Session]:
@@ -161,32 +180,36 @@ class StreamPool:
 
     # -- placement ----------------------------------------------------------------------------------
 
-    def _reusable(self, stream: Stream, tokens: list[int]) -> int:
-        """What of `stream`'s resident rows a session for `tokens` keeps, one token short of them."""
-        n = min(common_prefix(stream.resident, tokens), len(tokens) - 1)
+    def _reusable(self, stream: Stream, key: PrefixKey) -> int:
+        """What of `stream`'s resident rows a session for `key` keeps, one token short of them."""
+        if stream.namespace != key.namespace:
+            return 0
+        n = min(common_prefix(stream.resident, key.tokens), len(key.tokens) - 1)
         if n < MIN_REUSE or (n < len(stream.resident) and not self.cuttable):
             return 0
         return n
 
-    def _best(self, tokens: list[int]) -> tuple[Stream | None, int]:
+    def _best(self, key: PrefixKey) -> tuple[Stream | None, int]:
         best, best_n = None, 0
         for stream in self.streams:
             if stream.session is None and stream.resident:
-                n = self._reusable(stream, tokens)
+                n = self._reusable(stream, key)
                 if n > best_n:
                     best, best_n = stream, n
         return best, best_n
 
-    def resident_match(self, tokens: list[int]) -> int:
-        return self._best(tokens)[1] if self.reuse else 0
+    def resident_match(self, key: PrefixKey) -> int:
+        return self._best(key)[1] if self.reuse else 0
 
-    def new_session(self, tokens: list[int] | None = None) -> Session:
-        """A session in the idle stream that holds the longest prefix of `tokens` (kept in place),
-        else in the idle stream beside the most live ones, then an empty one, then the least
-        recently used (whose rows go; pages the prefix cache took of them stay). Live ids in runs matter
-        more than those rows: llama.cpp puts sequences into one ubatch only while their ids run
-        consecutively, and each ubatch reads every weight again."""
-        stream, n = self._best(tokens) if tokens and self.reuse else (None, 0)
+    def new_session(self, key: PrefixKey | None = None) -> Session:
+        """A session of `key`'s namespace (default: the shared one), in the idle stream of that
+        namespace that holds the longest prefix of `key` (kept in place), else in the idle stream
+        beside the most live ones, then an empty one, then the least recently used (whose rows go;
+        pages the prefix cache took of them stay). Live ids in runs matter more than those rows:
+        llama.cpp puts sequences into one ubatch only while their ids run consecutively, and each
+        ubatch reads every weight again."""
+        key = key or PrefixKey("")
+        stream, n = self._best(key) if key.tokens and self.reuse else (None, 0)
         if stream is None:
             idle = [s for s in self.streams if s.session is None]
             if not idle:
@@ -194,7 +217,7 @@ class StreamPool:
             live = {s.seq for s in self.streams if s.session is not None}
             stream = min(idle, key=lambda s: (-((s.seq - 1 in live) + (s.seq + 1 in live)),
                                               bool(s.resident), s.last_used))
-        session = Session(seq=stream.seq)
+        session = Session(seq=stream.seq, namespace=key.namespace)
         if n:
             self.ctx.seq_rm(stream.seq, n, -1)
             session.tokens = stream.resident[:n]
@@ -215,9 +238,11 @@ class StreamPool:
     # -- sessions -----------------------------------------------------------------------------------
 
     def fork(self, parent: Session, child: Session) -> None:
-        """Make `child` a copy of `parent`: the whole stream is copied (at the next decode)."""
+        """Make `child` a copy of `parent`: the whole stream is copied (at the next decode), and the
+        rows stay of the parent's namespace."""
         self.ctx.seq_cp(parent.seq, child.seq)
         child.tokens = list(parent.tokens)
+        child.namespace = parent.namespace
 
     def end_session(self, session: Session) -> None:
         """The session ends; its stream keeps its rows until a new session needs the stream (or
@@ -227,11 +252,16 @@ class StreamPool:
             raise ValueError("not a live session of this pool")
         stream.session = None
         stream.resident = session.tokens
+        stream.namespace = session.namespace
         stream.last_used = tick()
         if not self.reuse:
             self._clear(stream)
         if self._on_end is not None:
             self._on_end(session)
+
+    def namespaces(self) -> set[str]:
+        """The namespaces of the rows idle streams keep."""
+        return {s.namespace for s in self.streams if s.session is None and s.resident}
 
     def drop_resident(self) -> None:
         """Clear every idle stream (shutdown, tests)."""

@@ -6,16 +6,17 @@ from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_key import PrefixKey
 
 
 class NoCache(PrefixCache):
     keeps = "none"
     donates_prompt = False
 
-    def match_len(self, tokens: list[int]) -> int:
+    def match_len(self, key: PrefixKey) -> int:
         return 0
 
-    def attach(self, session: Session, tokens: list[int]) -> int:
+    def attach(self, session: Session, key: PrefixKey) -> int:
         return 0
 
     def gains_from_waiting(self, shared: int, cached: int) -> bool:
@@ -34,5 +35,5 @@ class NoCache(PrefixCache):
     def stats(self) -> CacheStats:
         return CacheStats()
 
-    def view(self) -> dict:
+    def view(self, namespace: str) -> dict:
         return {"enabled": False, "held_pages": 0, "chains": []}

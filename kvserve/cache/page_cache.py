@@ -4,10 +4,11 @@ A page's KV rows live in host memory, in a `HostStore` keyed by its tree node: d
 rows of the new pages out of the session's stream (`SeqState.donate`), attach sets the matched
 pages into the new session's empty stream (`SeqState.attach`), then only the tail is evaluated.
 Matches are page-granular and stop one token short of the prompt, because the model needs at least
-one evaluated token to produce the next logits.
+one evaluated token to produce the next logits. Each namespace has a tree of its own: a prefix sent
+under two namespaces is two chains, stored twice.
 
 Invariants:
-- every node of the tree has its page in the store, and every page in the store is a node's: a
+- every node of the forest has its page in the store, and every page in the store is a node's: a
   prefix shared by many donations is stored once;
 - the store's bytes never exceed its budget, not even between a donation and an eviction: a page
   that cannot fit is not kept (nor any after it);
@@ -27,6 +28,7 @@ from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.page_tree import PageNode, PageTree
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.context import Context
 from kvserve.llama.seq_state import KvPage, SeqState
 
@@ -38,6 +40,7 @@ class Chain:
     id: int
     path: list[PageNode]
     preview: str
+    namespace: str = ""
     hits: int = 0
 
     def snapshot(self, page_rows: int, store: HostStore[PageNode, KvPage]) -> dict:
@@ -95,32 +98,31 @@ class PageCache(PrefixCache):
 
     # -- lookup -------------------------------------------------------------------------------------
 
-    def _match(self, tokens: list[int]) -> list[PageNode]:
-        """The longest run of whole pages `attach` can restore, leaving a token of `tokens` to evaluate
+    def _match(self, key: PrefixKey) -> list[PageNode]:
+        """The longest run of whole pages `attach` can restore, leaving a token of `key` to evaluate
         (a sliding-window model's pages may lack the window before a shorter run's end)."""
-        path = self.tree.match(tokens, max(len(tokens) - 1, 0) // self.page_rows)
+        path = self.tree.match(key, max(len(key.tokens) - 1, 0) // self.page_rows)
         if self.rows.n_swa:
             pages = [self.store.peek(node) for node in path]
             while path and not self.rows.restorable(pages, len(path) * self.page_rows):
                 path.pop()
         return path
 
-    def match_len(self, tokens: list[int]) -> int:
+    def match_len(self, key: PrefixKey) -> int:
         """Tokens `attach` would attach right now. Changes no hit count and no recency."""
-        return len(self._match(tokens)) * self.page_rows
+        return len(self._match(key)) * self.page_rows
 
-    def attach(self, session: Session, tokens: list[int]) -> int:
-        """Set the longest cached run of whole pages of `tokens` into an empty session's stream."""
-        if session.tokens:
-            raise ValueError("attach needs an empty session")
-        path = self._match(tokens)
-        self._queried_tokens += len(tokens)
+    def attach(self, session: Session, key: PrefixKey) -> int:
+        """Set the longest cached run of whole pages of `key` into an empty session's stream."""
+        self.check_attachable(session, key)
+        path = self._match(key)
+        self._queried_tokens += len(key.tokens)
         if not path:
             return 0
         n = len(path) * self.page_rows
         self.rows.attach(session.seq, [self.store.get(node) for node in path], n)
         self._lock(session, path)
-        session.tokens = list(tokens[:n])
+        session.tokens = list(key.tokens[:n])
         self.chains[path[-1].chain_id].hits += 1
         self.tree.hit(path)
         self._hit_tokens += n
@@ -135,7 +137,8 @@ class PageCache(PrefixCache):
 
     def insert(self, session: Session, tokens: list[int], preview: str = "",
                kind: MarkKind = MarkKind.CONVERSATION) -> Chain | None:
-        """Donate every full page of `tokens`, the session's evaluated history (or a prefix of it).
+        """Donate every full page of `tokens`, the session's evaluated history (or a prefix of it),
+        under the session's namespace.
 
         Pages already cached are not stored twice: only the rows of the new pages are copied out of
         the stream. The donated pages stay locked while the session lives. Every page goes least
@@ -144,14 +147,14 @@ class PageCache(PrefixCache):
         if session.tokens[: len(tokens)] != list(tokens):
             raise ValueError("insert takes tokens the session has evaluated, in order")
         n_pages = len(tokens) // self.page_rows
-        path = self.tree.match(tokens, n_pages)
+        path = self.tree.match(PrefixKey(session.namespace, tokens), n_pages)
         self._lock(session, path)  # keep them while storing new pages evicts
         for node in path:
             self.store.touch(node)
         if len(path) == n_pages:
             return None
         pages = self.rows.donate(session.seq, self.page_rows, len(path), n_pages - len(path))
-        chain = Chain(id=self._next_chain, path=path, preview=preview[:80])
+        chain = Chain(id=self._next_chain, path=path, preview=preview[:80], namespace=session.namespace)
         added = self._add_pages(session, tokens, chain, pages)
         if not added:
             return None
@@ -162,7 +165,7 @@ class PageCache(PrefixCache):
 
     def _add_pages(self, session: Session, tokens: list[int], chain: Chain, pages: list[KvPage]) -> list[PageNode]:
         """Store `pages` under the end of `chain.path`, locked for the session, until one does not fit."""
-        parent = chain.path[-1] if chain.path else self.tree.root
+        parent = chain.path[-1] if chain.path else self.tree.root(chain.namespace)
         added: list[PageNode] = []
         for page in pages:
             key = tuple(tokens[page.start : page.end])
@@ -172,7 +175,7 @@ class PageCache(PrefixCache):
             if not self.store.put(node, page, lock=True):
                 self.tree.remove_leaf(node)
                 break
-            if parent is not self.tree.root:
+            if not parent.is_root:
                 self.store.lock(parent)  # a parent goes only after its children
             self._locks.setdefault(session, []).append(node)
             added.append(node)
@@ -201,9 +204,9 @@ class PageCache(PrefixCache):
     def _drop(self, node: PageNode) -> None:
         self.tree.remove_leaf(node)
         parent = node.parent
-        if parent is self.tree.root or parent.chain_id != node.chain_id:
+        if parent.is_root or parent.chain_id != node.chain_id:
             self.chains.pop(node.chain_id, None)  # tail-first: that was the chain's last page of its own
-        if parent is not self.tree.root:
+        if not parent.is_root:
             self.store.unlock(parent)
 
     def release(self) -> None:
@@ -216,6 +219,9 @@ class PageCache(PrefixCache):
 
     # -- what metrics and dashboards read -------------------------------------------------------------
 
+    def namespaces(self) -> set[str]:
+        return set(self.tree.roots)
+
     def stats(self) -> CacheStats:
         return CacheStats(queried_tokens=self._queried_tokens, hit_tokens=self._hit_tokens,
                           evicted_pages=self._evicted_pages, held_pages=self.held_pages,
@@ -225,7 +231,11 @@ class PageCache(PrefixCache):
         """Pages a live session reads (a parent locked only by its children is not counted)."""
         return len({node for nodes in self._locks.values() for node in nodes})
 
-    def view(self) -> dict:
-        return {"enabled": True, "held_pages": self.held_pages, "held_bytes": self.store.bytes_used,
+    def view(self, namespace: str) -> dict:
+        """The chains of `namespace` and the pages and bytes they hold; the budget is everyone's."""
+        nodes = self.tree.leaves_first(namespace)
+        return {"enabled": True, "held_pages": len(nodes),
+                "held_bytes": sum(size_of(self.store.peek(node)) for node in nodes),
                 "budget_bytes": self.store.budget_bytes,
-                "chains": [chain.snapshot(self.page_rows, self.store) for chain in self.chains.values()]}
+                "chains": [chain.snapshot(self.page_rows, self.store) for chain in self.chains.values()
+                           if chain.namespace == namespace]}

@@ -1,6 +1,9 @@
-"""A radix tree of KV pages: each node is one full page of `page_rows` tokens under its parent's prefix.
+"""A radix forest of KV pages: a tree per namespace, each node one full page of `page_rows` tokens
+under its parent's prefix.
 
 Invariants:
+- a namespace has a root exactly while it has pages, and a match starts at its key's namespace's
+  root only: no path crosses namespaces;
 - a node's page covers positions [depth*page_rows, (depth+1)*page_rows) of every prompt that reaches it;
 - a page shared by many donations is one node, whose rows are stored once (the host store keys
   them by node);
@@ -12,6 +15,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from typing import Iterator
+
+from kvserve.cache.prefix_key import PrefixKey
 
 _clock = itertools.count(1)
 
@@ -26,6 +31,7 @@ class PageNode:
     key: tuple[int, ...]
     parent: "PageNode | None"
     depth: int
+    namespace: str = ""
     chain_id: int = 0  # the donation that created this page
     children: dict[tuple[int, ...], "PageNode"] = field(default_factory=dict)
     hits: int = 0  # attaches that reused this page
@@ -35,35 +41,47 @@ class PageNode:
     def is_leaf(self) -> bool:
         return not self.children
 
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
 
 class PageTree:
     def __init__(self, page_rows: int) -> None:
         self.page_rows = page_rows
-        self.root = PageNode(key=(), parent=None, depth=-1)
+        self.roots: dict[str, PageNode] = {}  # by namespace
         self.n_nodes = 0
         self.n_cold = 0  # nodes no attach has hit
+
+    def root(self, namespace: str) -> PageNode:
+        """The root of `namespace`'s tree (a new, empty one is kept once a page is added under it)."""
+        return self.roots.get(namespace) or PageNode(key=(), parent=None, depth=-1, namespace=namespace)
 
     def pages_of(self, tokens: list[int], n_pages: int) -> Iterator[tuple[int, ...]]:
         rows = self.page_rows
         for i in range(n_pages):
             yield tuple(tokens[i * rows : (i + 1) * rows])
 
-    def match(self, tokens: list[int], max_pages: int | None = None) -> list[PageNode]:
-        """The longest path of whole pages that `tokens` starts with. Touches nothing."""
-        n_pages = len(tokens) // self.page_rows
+    def match(self, key: PrefixKey, max_pages: int | None = None) -> list[PageNode]:
+        """The longest path of whole pages under `key`'s namespace that its tokens start with. Touches nothing."""
+        n_pages = len(key.tokens) // self.page_rows
         if max_pages is not None:
             n_pages = min(n_pages, max_pages)
         path: list[PageNode] = []
-        node = self.root
-        for key in self.pages_of(tokens, n_pages):
-            node = node.children.get(key)
+        node = self.roots.get(key.namespace)
+        if node is None:
+            return path
+        for page in self.pages_of(key.tokens, n_pages):
+            node = node.children.get(page)
             if node is None:
                 break
             path.append(node)
         return path
 
     def add_child(self, parent: PageNode, key: tuple[int, ...], chain_id: int) -> PageNode:
-        node = PageNode(key=key, parent=parent, depth=parent.depth + 1, chain_id=chain_id)
+        node = PageNode(key=key, parent=parent, depth=parent.depth + 1, namespace=parent.namespace, chain_id=chain_id)
+        if parent.is_root:
+            self.roots.setdefault(parent.namespace, parent)
         parent.children[key] = node
         self.n_nodes += 1
         self.n_cold += 1
@@ -76,15 +94,19 @@ class PageTree:
 
     def remove_leaf(self, node: PageNode) -> None:
         assert node.is_leaf and node.parent is not None
-        del node.parent.children[node.key]
+        parent = node.parent
+        del parent.children[node.key]
+        if parent.is_root and not parent.children:
+            del self.roots[parent.namespace]
         node.alive = False
         self.n_nodes -= 1
         self.n_cold -= node.hits == 0
 
-    def leaves_first(self) -> list[PageNode]:
-        """Every node, each after all of its descendants."""
+    def leaves_first(self, namespace: str | None = None) -> list[PageNode]:
+        """Every node (of `namespace` only, if given), each after all of its descendants."""
+        roots = self.roots.values() if namespace is None else [self.roots[namespace]] if namespace in self.roots else []
         order: list[PageNode] = []
-        stack = list(self.root.children.values())
+        stack = [child for root in roots for child in root.children.values()]
         while stack:
             node = stack.pop()
             order.append(node)

@@ -1,7 +1,10 @@
 """The one interface the scheduler and the routes use for a prefix cache, whatever it keeps: whole
 KV pages (`PageCache`), checkpoints of a recurrent state (`StateCache`) or nothing (`NoCache`).
 
+Every lookup is by `PrefixKey`; what a session inserts belongs to its own namespace.
+
 Invariants every cache keeps:
+- a key matches only what was inserted under its namespace: rows never cross namespaces;
 - what it keeps lives in host memory, never in a stream: attach copies it into the session's;
 - `match_len` touches nothing (no hit count, no recency): it is what `attach` would attach now;
 - what `attach` and `insert` used for a session stays locked (never evicted) until
@@ -17,6 +20,7 @@ from typing import ClassVar
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import Session
+from kvserve.cache.prefix_key import PrefixKey
 
 
 class PrefixCache(ABC):
@@ -29,13 +33,21 @@ class PrefixCache(ABC):
         return {}
 
     @abstractmethod
-    def match_len(self, tokens: list[int]) -> int:
-        """Leading tokens of `tokens` that `attach` would attach now. Touches nothing."""
+    def match_len(self, key: PrefixKey) -> int:
+        """Leading tokens of `key` that `attach` would attach now. Touches nothing."""
 
     @abstractmethod
-    def attach(self, session: Session, tokens: list[int]) -> int:
-        """Attach the longest cached prefix of `tokens` to an empty session, leaving at least one
-        token to evaluate; returns its length."""
+    def attach(self, session: Session, key: PrefixKey) -> int:
+        """Attach the longest cached prefix of `key` to an empty session of its namespace, leaving at
+        least one token to evaluate; returns its length."""
+
+    @staticmethod
+    def check_attachable(session: Session, key: PrefixKey) -> None:
+        """`attach` takes an empty session of the key's namespace."""
+        if session.tokens:
+            raise ValueError("attach needs an empty session")
+        if session.namespace != key.namespace:
+            raise ValueError("a session attaches only rows of its own namespace")
 
     def checkpoint_at(self, session: Session, tokens: list[int], matched: int, mark: int) -> int:
         """Where to stop the prefill of `tokens` for `mark` so that `insert` can record it there,
@@ -50,8 +62,8 @@ class PrefixCache(ABC):
     @abstractmethod
     def insert(self, session: Session, tokens: list[int], preview: str = "",
                kind: MarkKind = MarkKind.CONVERSATION) -> object | None:
-        """Keep what the session evaluated of `tokens` (a prefix of its history), locked while it
-        lives; `kind` says who can reuse it. Returns what was kept (a chain of pages, a checkpoint),
+        """Keep what the session evaluated of `tokens` (a prefix of its history) under the session's
+        namespace, locked while it lives; `kind` says who can reuse it. Returns what was kept (a chain of pages, a checkpoint),
         or None when nothing new was."""
 
     @abstractmethod
@@ -62,10 +74,15 @@ class PrefixCache(ABC):
     def release(self) -> None:
         """Give back everything the cache keeps; no session may still hold a lock."""
 
+    def namespaces(self) -> set[str]:
+        """The namespaces it holds rows of."""
+        return set()
+
     @abstractmethod
     def stats(self) -> CacheStats:
         """Counters and how much it holds now."""
 
     @abstractmethod
-    def view(self) -> dict:
-        """What /v1/cache shows of it: whether it is on, what it holds, one entry per chain or checkpoint."""
+    def view(self, namespace: str) -> dict:
+        """What /v1/cache shows a caller of `namespace`: whether it is on, what it holds under that
+        namespace, one entry per chain or checkpoint of it."""

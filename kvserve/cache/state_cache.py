@@ -3,14 +3,16 @@
 KV pages cannot restore a recurrent state, so this cache keeps checkpoints: the tokens and the
 whole sequence at exactly that position (its recurrent state and, for hybrids, its attention rows),
 a blob from `llama_state_seq_get_data`, kept whole in the host store. A prompt can attach a
-checkpoint only when it starts with all of its tokens; attaching sets the blob into the session's
-empty stream.
+checkpoint only when it is of the checkpoint's namespace and starts with all of its tokens;
+attaching sets the blob into the session's empty stream.
 
 Invariants:
 - the blobs' bytes never exceed the store's budget, not even between insert and evict: the store
   makes room before it keeps a state; the number of checkpoints never exceeds `max_states`;
 - eviction takes conversation checkpoints before opening ones, then cold before hot, least
-  recently used first, and never one a live session restored or saved.
+  recently used first, and never one a live session restored or saved;
+- a checkpoint is of the namespace of the session that saved it, and only keys of that namespace
+  match it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.context import Context
 
 
@@ -32,6 +35,7 @@ class Checkpoint:
     tokens: list[int]
     kind: MarkKind
     nbytes: int
+    namespace: str = ""
     preview: str = ""  # a label for dashboards
     hits: int = 0
 
@@ -84,25 +88,29 @@ class StateCache(PrefixCache):
 
     # -- lookup -------------------------------------------------------------------------------------
 
-    def _match(self, tokens: list[int]) -> Checkpoint | None:
-        """The deepest checkpoint `tokens` fully contains, leaving at least one token to evaluate."""
+    def _match(self, key: PrefixKey) -> Checkpoint | None:
+        """The deepest checkpoint of `key`'s namespace that its tokens fully contain, leaving at least
+        one token to evaluate."""
         best = None
         for c in self.checkpoints:
-            if c.position < len(tokens) and (best is None or c.position > best.position):
-                if tokens[: c.position] == c.tokens:
+            if c.namespace == key.namespace and c.position < len(key.tokens):
+                if (best is None or c.position > best.position) and key.tokens[: c.position] == c.tokens:
                     best = c
         return best
 
-    def match_len(self, tokens: list[int]) -> int:
-        found = self._match(tokens)
+    def _held(self, namespace: str, tokens: list[int]) -> Checkpoint | None:
+        """The checkpoint of `namespace` at exactly `tokens`, if one is kept."""
+        return next((c for c in self.checkpoints if c.namespace == namespace and c.tokens == tokens), None)
+
+    def match_len(self, key: PrefixKey) -> int:
+        found = self._match(key)
         return found.position if found else 0
 
-    def attach(self, session: Session, tokens: list[int]) -> int:
+    def attach(self, session: Session, key: PrefixKey) -> int:
         """Set the deepest checkpoint into an empty session's stream."""
-        if session.tokens:
-            raise ValueError("attach needs an empty session")
-        self._queried_tokens += len(tokens)
-        found = self._match(tokens)
+        self.check_attachable(session, key)
+        self._queried_tokens += len(key.tokens)
+        found = self._match(key)
         if found is None:
             return 0
         self.ctx.write_seq_state(session.seq, self.store.get(found))
@@ -121,7 +129,7 @@ class StateCache(PrefixCache):
     def checkpoint_at(self, session: Session, tokens: list[int], matched: int, mark: int) -> int:
         if not matched + self.min_gap <= mark < len(tokens):
             return 0  # too close to what is already restored, or no token left to evaluate
-        if any(c.tokens == tokens[:mark] for c in self.checkpoints):
+        if self._held(session.namespace, tokens[:mark]):
             return 0  # already cached there
         if not self.store.fits(self._state_size):
             return 0  # the last state saved would not fit even after every eviction
@@ -130,21 +138,23 @@ class StateCache(PrefixCache):
     def insert(self, session: Session, tokens: list[int], preview: str = "",
                kind: MarkKind = MarkKind.CONVERSATION) -> Checkpoint | None:
         """Record a checkpoint where the session stands (call it between two evals): `tokens` must be
-        its whole history. An opening one is evicted after every conversation one."""
+        its whole history; the checkpoint is of the session's namespace. An opening one is evicted
+        after every conversation one."""
         if list(tokens) != session.tokens:
             raise ValueError("a checkpoint is taken where the session stands: tokens must be its history")
-        for c in self.checkpoints:
-            if c.tokens == session.tokens:
-                self.store.touch(c)
-                if kind is MarkKind.OPENING and c.kind is not kind:
-                    c.kind = kind
-                    self.store.rerank(c, _rank(kind))
-                return c
+        held = self._held(session.namespace, session.tokens)
+        if held is not None:
+            self.store.touch(held)
+            if kind is MarkKind.OPENING and held.kind is not kind:
+                held.kind = kind
+                self.store.rerank(held, _rank(kind))
+            return held
         self._state_size = self.ctx.state_size(session.seq)
         if not self.store.fits(self._state_size) or not self._below_max_states():
             return None
         blob = self.ctx.read_seq_state(session.seq)
-        checkpoint = Checkpoint(tokens=list(session.tokens), kind=kind, nbytes=blob.nbytes, preview=preview[:80])
+        checkpoint = Checkpoint(tokens=list(session.tokens), kind=kind, nbytes=blob.nbytes, preview=preview[:80],
+                                namespace=session.namespace)
         if not self.store.put(checkpoint, blob, rank=_rank(kind)):
             return None
         self.checkpoints.append(checkpoint)
@@ -181,6 +191,9 @@ class StateCache(PrefixCache):
 
     # -- what metrics and dashboards read -------------------------------------------------------------
 
+    def namespaces(self) -> set[str]:
+        return {c.namespace for c in self.checkpoints}
+
     def stats(self) -> CacheStats:
         openings = sum(c.kind is MarkKind.OPENING for c in self.checkpoints)
         return CacheStats(
@@ -190,7 +203,10 @@ class StateCache(PrefixCache):
             opening_checkpoints=openings, conversation_checkpoints=len(self.checkpoints) - openings,
         )
 
-    def view(self) -> dict:
-        return {"enabled": True, "held_pages": 0, "state_bytes": self.bytes_used, "held_bytes": self.bytes_used,
+    def view(self, namespace: str) -> dict:
+        """The checkpoints of `namespace` and the bytes they hold; the budget is everyone's."""
+        mine = [c for c in self.checkpoints if c.namespace == namespace]
+        held = sum(c.nbytes for c in mine)
+        return {"enabled": True, "held_pages": 0, "state_bytes": held, "held_bytes": held,
                 "state_budget_bytes": self.budget_bytes, "budget_bytes": self.budget_bytes,
-                "checkpoints": [c.snapshot() for c in self.checkpoints]}
+                "checkpoints": [c.snapshot() for c in mine]}

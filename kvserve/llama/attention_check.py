@@ -15,8 +15,9 @@ takes the largest KL divergence between the two next-token distributions over th
 The probe is pseudo-random tokens, whose attention is flat: what makes the f16 accumulator lose most.
 Beyond `TOLERANCE` flash attention is wrong for this model and `auto` turns it off. Measured at 512
 tokens: Gemma 3 270M 0.034 (its top logprobs move by 0.35-0.6), SmolLM2-135M 0.007, tiny random
-models under 0.001. The verdict belongs to the model file and the llama.cpp build, so it is kept
-per process and in `~/.cache/kvserve/attention-checks.json` (or under `$KVSERVE_MODEL_CACHE`).
+models under 0.001. The probe's cache has the served KV types (`--cache-type-k/-v`): with quantized
+K and V every row takes the one-query path, which then sums V in f32. The verdict belongs to the
+model file, the llama.cpp build and those types, so it is kept per process and in `~/.cache/kvserve/attention-checks.json` (or under `$KVSERVE_MODEL_CACHE`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context, ContextParams, FlashAttn
+from kvserve.llama.kv_types import KvType
 from kvserve.llama.model import Model
 
 _log = logging.getLogger("kvserve.attention")
@@ -41,6 +43,7 @@ PROBE_TOKENS = 512  # enough cells for flat attention to build up a large sum; t
 FLASH_ATTENTION_TILE_ROWS = 64
 TAIL = 8  # well under FLASH_ATTENTION_TILE_ROWS: the tail's rows take the one-query path
 TOLERANCE = 0.015  # nats of KL divergence: about twice SmolLM2's, under half Gemma 3's
+KvTypes = tuple[KvType, KvType]  # the KV cache's (K, V) types: the kernel's paths depend on them
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,13 @@ class FlashAttnChoice:
         return {"enabled": self.enabled, "reason": self.reason, "probe_kl": self.probe_kl}
 
 
-def choose_flash_attn(model: Model, asked: FlashAttn, n_threads: int) -> FlashAttnChoice:
+def choose_flash_attn(model: Model, asked: FlashAttn, n_threads: int, kv_types: KvTypes = ("f16", "f16")) -> FlashAttnChoice:
     """`off` is off and `on` is on (with a warning where the check fails); under `auto`, on only where
-    llama.cpp picks it for the device and the probe agrees with itself within TOLERANCE."""
+    llama.cpp picks it for the device and the probe, over a KV cache of `kv_types` (K, V), agrees
+    with itself within TOLERANCE."""
     if asked == "off":
         return FlashAttnChoice(False, "--flash-attn off")
-    kl = checked_probe_kl(model, asked, n_threads)
+    kl = checked_probe_kl(model, asked, n_threads, kv_types)
     if kl is None:
         return FlashAttnChoice(False, "llama.cpp chose plain attention for this device")
     if kl <= TOLERANCE:
@@ -77,10 +81,13 @@ def choose_flash_attn(model: Model, asked: FlashAttn, n_threads: int) -> FlashAt
 _memo: dict[str, float | None] = {}
 
 
-def checked_probe_kl(model: Model, flash_attn: FlashAttn, n_threads: int) -> float | None:
-    """`probe_kl`, remembered per model file and llama.cpp build (in this process and on disk)."""
+def checked_probe_kl(model: Model, flash_attn: FlashAttn, n_threads: int,
+                     kv_types: KvTypes = ("f16", "f16")) -> float | None:
+    """`probe_kl`, remembered per model file, llama.cpp build and KV types (in this process and on disk)."""
     stat = Path(model.info.path).stat()
     key = f"{Path(model.info.path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{llama_cpp.__version__}|{flash_attn}"
+    if kv_types != ("f16", "f16"):
+        key += "|" + "/".join(kv_types)
     if key not in _memo:
         store = _store_path()
         try:
@@ -88,7 +95,7 @@ def checked_probe_kl(model: Model, flash_attn: FlashAttn, n_threads: int) -> flo
         except (OSError, ValueError):
             known = {}
         if key not in known:
-            known[key] = probe_kl(model, flash_attn, n_threads)
+            known[key] = probe_kl(model, flash_attn, n_threads, kv_types)
             try:
                 store.parent.mkdir(parents=True, exist_ok=True)
                 partial = store.with_name(f"{store.name}.{os.getpid()}.partial")
@@ -105,13 +112,14 @@ def _store_path() -> Path:
     return Path(root) / "attention-checks.json"
 
 
-def probe_kl(model: Model, flash_attn: FlashAttn, n_threads: int) -> float | None:
+def probe_kl(model: Model, flash_attn: FlashAttn, n_threads: int, kv_types: KvTypes = ("f16", "f16")) -> float | None:
     """Max KL(whole || prefix + tail) over the tail's positions, with flash attention; None when
     llama.cpp did not enable it (`auto` on a device without it). The split evaluation runs on a
     second sequence, so models that carry state (which cannot drop a tail) are probed alike."""
     tokens = probe_tokens(model.info.n_vocab)
     ctx = Context(model, ContextParams(n_ctx_seq=PROBE_TOKENS, n_batch=PROBE_TOKENS, n_seq_max=2,
-                                       n_threads=n_threads, flash_attn=flash_attn))
+                                       n_threads=n_threads, flash_attn=flash_attn,
+                                       type_k=kv_types[0], type_v=kv_types[1]))
     try:
         if not ctx.flash_attn:
             return None

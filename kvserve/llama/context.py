@@ -17,6 +17,7 @@ import numpy as np
 
 from kvserve.llama.backend import log_lines
 from kvserve.llama.batch import Batch
+from kvserve.llama.kv_types import KV_TYPES, KvType
 from kvserve.llama.model import Model
 
 # llama.cpp's hard limit on sequence ids in one context (LLAMA_MAX_SEQ).
@@ -57,6 +58,8 @@ class ContextParams:
     # LLAMA_POOLING_TYPE_*); a sequence must then fit in one ubatch, since llama.cpp pools per ubatch
     embeddings: bool = False
     pooling: int = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
+    type_k: KvType = "f16"  # how each K row is stored (and serialized into state blobs)
+    type_v: KvType = "f16"  # quantized V needs flash attention: llama.cpp refuses the context otherwise
 
     @property
     def n_ctx(self) -> int:
@@ -86,6 +89,8 @@ class Context:
         cparams.no_perf = True
         cparams.embeddings = params.embeddings
         cparams.pooling_type = params.pooling
+        cparams.type_k = KV_TYPES[params.type_k]
+        cparams.type_v = KV_TYPES[params.type_v]
         self.model = model
         self.params = params
         with log_lines() as said:

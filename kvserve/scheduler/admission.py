@@ -62,7 +62,7 @@ class Admission:
             if _open_choices(request) > self.free_slots():
                 request.state.blocked_on = "a free slot"
                 break
-            cached = self.kv.cached_len(request.prompt)
+            cached = self.kv.cached_len(request.key)
             if self._waits_for_a_running_prefill(request, cached):
                 request.state.blocked_on = "a running prefill of the same prefix to donate it"
                 continue
@@ -87,7 +87,7 @@ class Admission:
             return window
         starved = [r for r in window if r.state.passed_over >= STARVATION_LIMIT]
         rest = sorted((r for r in window if r.state.passed_over < STARVATION_LIMIT),
-                      key=lambda r: self.kv.cached_len(r.prompt), reverse=True)  # stable: ties keep arrival order
+                      key=lambda r: self.kv.cached_len(r.key), reverse=True)  # stable: ties keep arrival order
         return starved + rest
 
     def _count_passed_over(self, admitted: list[Request]) -> None:
@@ -100,10 +100,13 @@ class Admission:
                 request.state.passed_over += 1
 
     def _waits_for_a_running_prefill(self, request: Request, cached: int) -> bool:
-        """A request whose prompt shares more than a page beyond what is cached with a prompt being
-        prefilled right now waits for that prefill to donate, instead of computing the same prefix."""
+        """A request whose prompt shares more than a page beyond what is cached with a prompt of its
+        namespace being prefilled right now waits for that prefill to donate, instead of computing
+        the same prefix."""
         for other in self.queues.running:
             first = other.state.choices[0]
+            if other.namespace != request.namespace:
+                continue  # its donation is of another namespace: nothing to wait for
             if first.session is not None and first.session.n_past < len(other.prompt):
                 if self.kv.gains_from_waiting(common_prefix(request.prompt, other.prompt), cached):
                     return True

@@ -11,6 +11,7 @@ from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.config import Settings
 from kvserve.llama.attention_check import FlashAttnChoice, choose_flash_attn
 from kvserve.llama.chat_template import ChatTemplate
+from kvserve.llama.kv_types import KvType, is_quantized
 from kvserve.llama.model import Model
 from kvserve.reply import ReasoningFormat, resolve_format
 from kvserve.scheduler.async_engine import AsyncEngine
@@ -45,18 +46,18 @@ class Engine:
     @classmethod
     def load(cls, settings: Settings) -> "Engine":
         model = Model(settings.model)
-        attention = choose_flash_attn(model, settings.flash_attn, settings.threads)
+        attention = flash_attn_for(model, settings)
         # a stream of --ctx-size cells per running sequence: llama.cpp's n_ctx is their sum
         pool, cache = create_kv_pool(
             model, settings.page_rows, n_ctx_seq=settings.ctx_size, n_streams=settings.parallel,
             n_batch=settings.batch_size, n_threads=settings.threads,
-            flash_attn="on" if attention.enabled else "off",
+            flash_attn="on" if attention.enabled else "off", kv_types=kv_types(settings),
             enabled=settings.prefix_cache, budget_bytes=int(settings.prefix_state_mb * MIB),
             max_states=settings.prefix_states,
         )
         ctx = pool.ctx
-        _log.info("KV: %d streams of %d cells, %.0f MiB; prefix cache: %s in up to %g MiB of host memory",
-                  pool.n_streams, pool.n_ctx_seq, ctx.kv_bytes / MIB, cache.keeps, settings.prefix_state_mb)
+        _log.info("KV: %d streams of %d cells (K %s, V %s), %.0f MiB; prefix cache: %s in up to %g MiB of host memory",
+                  pool.n_streams, pool.n_ctx_seq, *kv_types(settings), ctx.kv_bytes / MIB, cache.keeps, settings.prefix_state_mb)
         config = SchedulerConfig(
             max_running=settings.parallel,
             token_budget=settings.batch_size,
@@ -81,3 +82,26 @@ class Engine:
         self.pool.close()
         self.embedder.close()
         self.model.close()
+
+
+def kv_types(settings: Settings) -> tuple[KvType, KvType]:
+    return settings.cache_type_k, settings.cache_type_v
+
+
+def flash_attn_for(model: Model, settings: Settings) -> FlashAttnChoice:
+    """Flash attention on or off (`--flash-attn` and the self-check over the served KV types).
+    Raises ValueError where a quantized V cache would need it and it is off."""
+    attention = choose_flash_attn(model, settings.flash_attn, settings.threads, kv_types(settings))
+    if is_quantized(settings.cache_type_v) and not attention.enabled:
+        raise ValueError(f"--cache-type-v {settings.cache_type_v} needs flash attention, which is off: {attention.reason}")
+    return attention
+
+
+def check_flash_attn(settings: Settings) -> None:
+    """`flash_attn_for`'s refusal before the server starts (the check's verdict is kept for `Engine.load`)."""
+    if is_quantized(settings.cache_type_v):
+        model = Model(settings.model)
+        try:
+            flash_attn_for(model, settings)
+        finally:
+            model.close()

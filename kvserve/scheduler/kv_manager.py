@@ -4,6 +4,7 @@ free them (`release`). Nothing else in the scheduler counts KV cells.
 
 Each sequence has a stream of `n_ctx_seq` cells of its own, so a request fits when its prompt and
 one generated token fit one stream, and a sequence can always grow to the end of its stream.
+Every lookup is by the request's `PrefixKey`, and every session of a request is of its namespace.
 
 Invariants:
 - a session holds exactly the tokens llama.cpp has for its seq id: `start` sets what was kept in
@@ -11,17 +12,21 @@ Invariants:
 - a choice holds a session from its start until its request ends or is preempted; `release` frees
   every one of them;
 - a forked choice never donates: its prompt is choice 0's;
-- checkpoints are planned and taken for choice 0 only, whose prefill stops at each of them.
+- checkpoints are planned and taken for choice 0 only, whose prefill stops at each of them;
+- a request's sessions are of its namespace, so what it keeps in place, attaches or donates never
+  crosses into another namespace; hits are counted by namespace kind, never by namespace.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import replace
 
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.kv_pool import KvPool, PoolExhausted
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_key import PrefixKey, namespace_kind
 from kvserve.scheduler.request import Choice, Request
 
 
@@ -37,6 +42,8 @@ class KvManager:
         self.cache = cache
         self.model = pool.ctx.model
         self.inplace_queried = 0  # prompt tokens of the sessions placed in place (the cache saw none of them)
+        self.kind_queried: Counter[str] = Counter()  # prompt tokens of started requests, by namespace kind
+        self.kind_hits: Counter[str] = Counter()  # of those, not evaluated (kept in place or attached)
 
     # -- admission ------------------------------------------------------------------------------------
 
@@ -47,10 +54,10 @@ class KvManager:
             return Room.NEVER
         return Room.NOW if self.pool.free_streams >= n_sequences else Room.LATER
 
-    def cached_len(self, prompt: list[int]) -> int:
-        """Leading tokens of `prompt` that starting it now would not evaluate (a stream keeps them in
-        place, or the cache attaches them)."""
-        return max(self.pool.resident_match(prompt), self.cache.match_len(prompt))
+    def cached_len(self, key: PrefixKey) -> int:
+        """Leading tokens of `key` that starting it now would not evaluate (a stream of its namespace
+        keeps them in place, or the cache attaches them)."""
+        return max(self.pool.resident_match(key), self.cache.match_len(key))
 
     def gains_from_waiting(self, shared: int, cached: int) -> bool:
         return self.cache.gains_from_waiting(shared, cached)
@@ -58,31 +65,40 @@ class KvManager:
     def start(self, request: Request, choices: list[Choice], placed: list[Choice]) -> bool:
         """A session for each of `choices`; those in `placed` start from what is kept in place or
         cached of their tokens, the others empty. False, with none held, when streams ran out."""
+        first_start = request.state.admitted_at is None
         try:
             for choice in choices:
-                choice.session = self._place(choice) if choice in placed else self.pool.new_session()
+                key = PrefixKey(request.namespace, choice.tokens if choice in placed else [])
+                choice.session = self._place(key) if key.tokens else self.pool.new_session(key)
         except PoolExhausted:
             self.release(request, donate=False)
             return False
         for choice in placed:
             request.state.cached_tokens = max(request.state.cached_tokens, min(choice.session.n_past, len(request.prompt)))
+        if first_start:
+            kind = namespace_kind(request.namespace)
+            self.kind_queried[kind] += len(request.prompt)
+            self.kind_hits[kind] += request.state.cached_tokens
         return True
 
-    def _place(self, choice: Choice):
-        """In the idle stream holding the longest prefix, unless the cache attaches more."""
-        kept = self.pool.resident_match(choice.tokens)
-        if kept and kept >= self.cache.match_len(choice.tokens):
-            self.inplace_queried += len(choice.tokens)
-            return self.pool.new_session(choice.tokens)
-        session = self.pool.new_session()
-        self.cache.attach(session, choice.tokens)
+    def _place(self, key: PrefixKey):
+        """In the idle stream of the key's namespace holding the longest prefix, unless the cache
+        attaches more."""
+        kept = self.pool.resident_match(key)
+        if kept and kept >= self.cache.match_len(key):
+            self.inplace_queried += len(key.tokens)
+            return self.pool.new_session(key)
+        session = self.pool.new_session(PrefixKey(key.namespace))
+        self.cache.attach(session, key)
         return session
 
     def stats(self) -> CacheStats:
         """The cache's counters, with what streams kept in place counted as hits."""
         stats = self.cache.stats()
         return replace(stats, queried_tokens=stats.queried_tokens + self.inplace_queried,
-                       hit_tokens=stats.hit_tokens + self.pool.inplace_tokens)
+                       hit_tokens=stats.hit_tokens + self.pool.inplace_tokens,
+                       namespaces=len(self.cache.namespaces() | self.pool.namespaces()),
+                       kind_queried=dict(self.kind_queried), kind_hits=dict(self.kind_hits))
 
     def plan_checkpoints(self, request: Request) -> None:
         """Keep the request's marks at which a checkpoint of choice 0 is worth a stop of its prefill."""

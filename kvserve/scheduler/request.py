@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvserve.cache.chat_marks import Mark, MarkKind
 from kvserve.cache.kv_pool import Session
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.detokenizer import Detokenizer
 from kvserve.llama.sampler import Sampler, SamplingParams, TokenLogprobs
 from kvserve.scheduler.stop_strings import StopMatcher
@@ -56,6 +57,11 @@ class Request:
     thinking: ThinkingLimit | None = None  # a reply that thinks first: watched, and closed at its budget
     arrival: float = field(default_factory=time.monotonic)
     state: RequestState = field(default_factory=RequestState, init=False, repr=False)
+
+    @property
+    def key(self) -> PrefixKey:
+        """What the prefix cache knows the prompt by."""
+        return PrefixKey(self.namespace, self.prompt)
 
 
 @dataclass(eq=False)

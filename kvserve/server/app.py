@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvserve.config import Settings
 from kvserve.scheduler.engine import Engine
 from kvserve.server import cache_routes, embeddings, prompts, ui_routes, worker_routes
-from kvserve.server.auth import bearer_values, require_key
+from kvserve.server.auth import Keys, require_key, tenant_of
 from kvserve.server.errors import error_responses, install_error_handlers
 from kvserve.server.generation import Answer, accepting, respond
 from kvserve.server.logs import log_config
@@ -80,7 +80,7 @@ async def models(request: Request) -> dict:
 @api.post("/chat/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
-    job, reply = await prompts.chat_job(engine, body)
+    job, reply = await prompts.chat_job(engine, body, tenant=tenant_of(request))
     shape = Shape(True, engine.settings.served_name, job, reply=reply)
     return await respond(request, engine, job, _answer(engine, shape, body.stream, body.stream_options))
 
@@ -91,7 +91,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = _engine(request)
     prompt = await asyncio.to_thread(prompts.completion_prompt, engine.model, body)
     params = prompts.sampling_params(engine.model, body, None)
-    job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl", "prompt")
+    job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl", "prompt",
+                                tenant=tenant_of(request))
     return await respond(request, engine, job, _answer(engine, Shape(False, engine.settings.served_name, job),
                                                         body.stream, body.stream_options))
 
@@ -119,7 +120,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app.state.api_keys = bearer_values(settings.api_keys())
+    app.state.api_keys = Keys.of(settings.api_keys(), isolate=settings.cache_isolation == "key")
     app.state.draining = False
     app.state.started = int(time.time())
     app.state.response_store = ResponseStore(

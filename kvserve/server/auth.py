@@ -1,30 +1,54 @@
 """API keys: with any configured, every route but /health (and /metrics, unless --metrics-need-key)
-needs one, as `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's)."""
+needs one, as `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's).
+
+Under `--cache-isolation key` each key is a tenant: the request's `state.tenant` is the key's id (a
+digest, never the key), which puts its cached rows in a namespace of their own. Otherwise, and
+without keys, it is None: the shared namespace."""
 
 from __future__ import annotations
 
 import hmac
 
+from dataclasses import dataclass
+
 from fastapi import Request
 
 from kvserve.server.errors import APIError
+from kvserve.server.namespace import tenant_id
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The accepted keys as the bearer values compared, and the tenant each stands for (None: shared)."""
+
+    bearers: list[bytes]
+    tenants: list[str | None]
+
+    @classmethod
+    def of(cls, keys: list[str], isolate: bool) -> "Keys":
+        return cls([f"Bearer {key}".encode() for key in keys], [tenant_id(key) if isolate else None for key in keys])
 
 
 def require_key(request: Request) -> None:
-    keys: list[bytes] = request.app.state.api_keys
-    if not keys:
+    """A 401 without an accepted key; with one, `request.state.tenant` is its tenant."""
+    keys: Keys = request.app.state.api_keys
+    request.state.tenant = None
+    if not keys.bearers:
         return
     given = [request.headers.get("authorization", "").encode()]
     if "x-api-key" in request.headers:
         given.append(b"Bearer " + request.headers["x-api-key"].encode())
     # Every key is compared, so the time taken tells nothing about which one (or how much) matched.
-    matched = False
-    for expected in keys:
+    matched: int | None = None
+    for index, expected in enumerate(keys.bearers):
         for value in given:
-            matched |= hmac.compare_digest(value, expected)
-    if not matched:
+            if hmac.compare_digest(value, expected):
+                matched = index
+    if matched is None:
         raise APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
+    request.state.tenant = keys.tenants[matched]
 
 
-def bearer_values(keys: list[str]) -> list[bytes]:
-    return [f"Bearer {key}".encode() for key in keys]
+def tenant_of(request: Request) -> str | None:
+    """The caller's tenant, as `require_key` found it (None: the shared namespace)."""
+    return getattr(request.state, "tenant", None)

@@ -15,6 +15,7 @@ from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.request import FinishReason, RequestOutput
 from kvserve.scheduler.scheduler import StepTimes
 from kvserve.scheduler.snapshot import EngineSnapshot
+from kvserve.server.namespace import NAMESPACE_KINDS
 from kvserve.tools.parser import TOOL_CALLS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -78,6 +79,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvserve_prefix_cache_evicted_pages", "Pages the prefix cache gave back", s.cache.evicted_pages
         )
+        yield from _by_namespace_kind(s)
         yield GaugeMetricFamily(
             "kvserve_prefix_state_bytes", "Bytes of recurrent checkpoint states", s.cache.state_bytes
         )
@@ -101,6 +103,29 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvserve_engine_loop_seconds", "Event-loop turns that ran a step, hand-off included", t.loop_seconds
         )
+
+
+def _by_namespace_kind(s: EngineSnapshot) -> Iterator[Metric]:
+    """Hits per namespace kind (shared, tenant, tenant+salt, ...: which parts a namespace has, never
+    whose), every kind from the start at 0, and how many namespaces hold cached rows."""
+    queried = CounterMetricFamily(
+        "kvserve_prefix_cache_namespace_queried_tokens", "Prompt tokens of started requests, by namespace kind",
+        labels=["namespace_kind"],
+    )
+    hits = CounterMetricFamily(
+        "kvserve_prefix_cache_namespace_hit_tokens",
+        "Prompt tokens of started requests not evaluated (kept in place or attached), by namespace kind",
+        labels=["namespace_kind"],
+    )
+    for kind in NAMESPACE_KINDS:
+        queried.add_metric([kind], s.cache.kind_queried.get(kind, 0))
+        hits.add_metric([kind], s.cache.kind_hits.get(kind, 0))
+    yield queried
+    yield hits
+    yield GaugeMetricFamily(
+        "kvserve_prefix_cache_namespaces", "Cache namespaces (tenants, salts, adapter sets) holding cached rows",
+        s.cache.namespaces,
+    )
 
 
 class _VllmCollector(Collector):

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hashlib
 
-SHARED = ""
+from kvserve.cache.prefix_key import SHARED, namespace_kind
+
 _PARTS = ("tenant", "salt", "lora")
 
 
@@ -37,13 +38,8 @@ def request_namespace(*, tenant: str | None, cache_salt: str | None, adapters: s
     return "+".join(f"{part}:{_digest(part, value)}" for part, value in values.items() if value)
 
 
-def namespace_kind(namespace: str) -> str:
-    """Which parts `namespace` has, e.g. "tenant+salt"; "shared" for the default namespace."""
-    if namespace == SHARED:
-        return "shared"
-    return "+".join(item.split(":", 1)[0] for item in namespace.split("+"))
-
-
-NAMESPACE_KINDS = ["shared"] + [
+NAMESPACE_KINDS = [namespace_kind(SHARED)] + [
     "+".join(p for i, p in enumerate(_PARTS) if mask >> i & 1) for mask in range(1, 1 << len(_PARTS))
 ]
+
+__all__ = ["NAMESPACE_KINDS", "SHARED", "namespace_kind", "request_namespace", "tenant_id"]

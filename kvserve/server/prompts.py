@@ -20,6 +20,7 @@ from kvserve.scheduler.thinking import ThinkingLimit
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.server.errors import context_length_exceeded, invalid, invalid_body
+from kvserve.server.namespace import request_namespace
 from kvserve.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -168,13 +169,22 @@ async def prompt_tokens(
     return await asyncio.to_thread(completion_prompt, model, body)
 
 
-async def body_prompt(model: Model, template: ChatTemplate, body: dict) -> list[int]:
-    """`prompt_tokens` of a raw body: a chat when it has `messages`, else a completion."""
+def parse_body(body: dict) -> ChatCompletionRequest | CompletionRequest:
+    """A raw body as a chat when it has `messages`, else as a completion; a 400 where it is neither."""
     try:
-        parsed = (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
+        return (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
     except ValidationError as exc:
         raise invalid_body(exc.errors()) from exc
-    return await prompt_tokens(model, template, parsed)
+
+
+async def body_prompt(model: Model, template: ChatTemplate, body: dict) -> list[int]:
+    """`prompt_tokens` of a raw body: a chat when it has `messages`, else a completion."""
+    return await prompt_tokens(model, template, parse_body(body))
+
+
+def job_namespace(body: Sampling, tenant: str | None) -> str:
+    """The cache namespace a body is served in, for the caller `tenant` (None: shared)."""
+    return request_namespace(tenant=tenant, cache_salt=body.cache_salt)
 
 
 def grammar_for(response_format: ResponseFormat | None) -> str | None:
@@ -245,15 +255,15 @@ def _check_grammar(model: Model, params: SamplingParams, param: str) -> None:
         raise invalid(str(exc), param) from exc
 
 
-async def chat_job(engine: Engine, body: ChatCompletionRequest) -> tuple[Request, ReplyPlan]:
-    """The scheduler request a chat body is served as, and how its reply is read (its thinking,
-    its tool calls)."""
+async def chat_job(engine: Engine, body: ChatCompletionRequest, *, tenant: str | None) -> tuple[Request, ReplyPlan]:
+    """The scheduler request a chat body is served as for the caller `tenant`, and how its reply is
+    read (its thinking, its tool calls)."""
     prompt = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body, engine.reasoning)
     params = await asyncio.to_thread(chat_sampling, engine.model, body, prompt.tools)  # grammars: off the loop
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     special = prompt.reasoning is not None or (prompt.tools is not None and prompt.tools.special_text)
     job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl", "messages",
-                        marks=prompt.marks, special_text=special,
+                        tenant=tenant, marks=prompt.marks, special_text=special,
                         thinking=thinking_limit(engine, prompt.reasoning, body.reasoning_budget))
     return job, prompt.reply
 
@@ -269,11 +279,11 @@ def thinking_limit(engine: Engine, syntax: ReasoningSyntax | None, budget: int |
 
 def build_request(
     prompt: list[int], body: Sampling, params: SamplingParams, logprobs: int | None, limits: SchedulerConfig,
-    prefix: str, param: str, marks: list[Mark] | None = None, special_text: bool = False,
+    prefix: str, param: str, *, tenant: str | None, marks: list[Mark] | None = None, special_text: bool = False,
     thinking: ThinkingLimit | None = None,
 ) -> Request:
-    """The request for `prompt`; a prompt that is empty or leaves no room is a 400 naming `param`,
-    the field of the body that holds it."""
+    """The request for `prompt`, in the cache namespace of `tenant` and the body's salt; a prompt
+    that is empty or leaves no room is a 400 naming `param`, the field of the body that holds it."""
     if body.n > limits.max_running:  # its choices decode side by side: they could never all be admitted
         raise invalid(f"n is {body.n}, but this server runs at most {limits.max_running} sequences at once", "n")
     max_seq_len = limits.max_seq_len
@@ -293,5 +303,6 @@ def build_request(
         ignore_eos=body.ignore_eos,
         marks=marks or [],
         special_text=special_text,
+        namespace=job_namespace(body, tenant),
         thinking=thinking,
     )

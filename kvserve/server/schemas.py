@@ -158,6 +158,15 @@ _CHOICE_OBJECT: TypeAdapter = TypeAdapter(
     Annotated[Union[NamedToolChoice, AllowedToolsChoice], Field(discriminator="type")])
 
 
+MAX_CACHE_SALT = 256  # characters of a `cache_salt`
+
+
+def cache_salt_field() -> Any:
+    """vLLM's `cache_salt`: requests share cached rows only with requests of the same salt (and tenant)."""
+    return Field(None, min_length=1, max_length=MAX_CACHE_SALT,
+                 description="requests share cached prompt rows only with requests that send the same salt")
+
+
 class Sampling(Body):
     """Fields shared by chat and text completions."""
 
@@ -178,6 +187,7 @@ class Sampling(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = cache_salt_field()
 
     @field_validator("stop")
     @classmethod

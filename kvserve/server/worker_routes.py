@@ -56,6 +56,8 @@ async def server_info(request: Request) -> dict:
             "page_rows": s.page_rows,
             "kv_streams": pool.n_streams,  # one per running sequence, of ctx_size cells each
             "kv_bytes": pool.ctx.kv_bytes,  # the memory of every stream, as llama.cpp allocated it
+            "cache_type_k": s.cache_type_k,  # how rows are stored, in the streams and in cached pages
+            "cache_type_v": s.cache_type_v,
             **engine.cache.caps(),  # the limits the cache keeps to (host bytes, checkpoints)
         },
     }

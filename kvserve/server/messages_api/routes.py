@@ -16,6 +16,7 @@ from fastapi.responses import Response
 
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
+from kvserve.server.auth import tenant_of
 from kvserve.server.errors import engine_error, error_responses
 from kvserve.server.generation import Answer, Outputs, accepting, respond
 from kvserve.server.messages_api import to_chat
@@ -33,7 +34,7 @@ _CREATE = {200: {"content": {"text/event-stream": {}}},
 async def create_message(body: CreateMessage, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     with to_chat.in_messages_terms():
-        job, reply = await prompts.chat_job(engine, to_chat.chat_request(body))
+        job, reply = await prompts.chat_job(engine, to_chat.chat_request(body), tenant=tenant_of(request))
     events = MessageEvents(MessageHead(engine.settings.served_name, len(job.prompt), body.max_tokens), reply)
     streamed = partial(_streamed, events) if body.stream else None
     return await respond(request, engine, job, Answer(partial(_whole, events), streamed, events.finish_reasons))

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field, Tag, field_validator, model_validator
 
-from kvserve.server.schemas import Body, tagged
+from kvserve.server.schemas import Body, cache_salt_field, tagged
 from kvserve.tools.spec import NAME_PATTERN
 
 
@@ -160,6 +160,7 @@ Thinking = Annotated[
 
 class Metadata(Body):
     user_id: str | None = Field(None, max_length=256)
+    cache_salt: str | None = cache_salt_field()  # vLLM's field, where Anthropic's bodies keep extras
 
 
 class CountTokens(Body):

@@ -27,6 +27,7 @@ _MESSAGES_PARAMS = (
     (re.compile(r"^stop$"), "stop_sequences"),
     (re.compile(r"^parallel_tool_calls$"), "tool_choice.disable_parallel_tool_use"),
     (re.compile(r"^user$"), "metadata.user_id"),
+    (re.compile(r"^cache_salt$"), "metadata.cache_salt"),
     (re.compile(r"^reasoning_budget$"), "thinking.budget_tokens"),
 )
 
@@ -39,7 +40,8 @@ def chat_request(body: CountTokens) -> ChatCompletionRequest:
     fields: dict[str, Any] = {"messages": messages, **_tool_fields(body), **_thinking_fields(body.thinking)}
     if isinstance(body, CreateMessage):
         fields.update(max_completion_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
-                      top_p=body.top_p, top_k=body.top_k, user=body.metadata and body.metadata.user_id)
+                      top_p=body.top_p, top_k=body.top_k, user=body.metadata and body.metadata.user_id,
+                      cache_salt=body.metadata and body.metadata.cache_salt)
     with in_messages_terms():
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

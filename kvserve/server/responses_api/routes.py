@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
+from kvserve.server.auth import tenant_of
 from kvserve.server.errors import APIError, engine_error, error_responses
 from kvserve.server.generation import Answer, Outputs, accepting, respond
 from kvserve.server.responses import LogprobFormatter, sse_event
@@ -54,7 +55,7 @@ async def create_response(body: CreateResponse, request: Request) -> Response:
     history = _stored(store, body.previous_response_id, "previous_response_id").context \
         if body.previous_response_id else []
     with to_chat.in_responses_terms():
-        job, reply = await prompts.chat_job(engine, to_chat.chat_request(body, history))
+        job, reply = await prompts.chat_job(engine, to_chat.chat_request(body, history), tenant=tenant_of(request))
     events = ResponseEvents(ResponseHead(body, engine.settings.served_name),
                             LogprobFormatter(engine.model) if body.wants_logprobs else None, reply)
     context = history + body.items

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import Field, Tag, ValidationInfo, field_validator, model_validator
 
-from kvserve.server.schemas import MAX_TOP_LOGPROBS, Body, tagged
+from kvserve.server.schemas import MAX_TOP_LOGPROBS, Body, cache_salt_field, tagged
 from kvserve.tools.spec import NAME_PATTERN
 
 MAX_METADATA_PAIRS = 16
@@ -195,6 +195,7 @@ class CreateResponse(Body):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    cache_salt: str | None = cache_salt_field()
     # Accepted only in the form that asks for nothing this server lacks:
     truncation: Literal["disabled", "auto"] | None = None
     background: bool | None = None

@@ -44,6 +44,7 @@ def chat_request(body: CreateResponse, history: list[InputItem]) -> ChatCompleti
         "top_logprobs": body.top_logprobs,
         "response_format": _response_format(body.text.format),
         "user": body.user,
+        "cache_salt": body.cache_salt,
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
         "reasoning_budget": body.reasoning_budget,
         **_tool_fields(body),
