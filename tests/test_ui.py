@@ -30,7 +30,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 SYSTEM = ("You are the archivist of a large library. Answer with the shelf number and nothing else. " * 3).strip()
 KEY = "sesame"
 SCREENSHOTS = os.environ.get("KVSERVE_SCREENSHOTS")
-WAIT_MS = 600_000  # how long a wait may last before it fails (a loaded 2-core machine answers slowly)
+WAIT_MS = 120_000  # how long a wait may last before it fails (a loaded 2-core machine answers slowly)
 
 
 @pytest.fixture(scope="module")

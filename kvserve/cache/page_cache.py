@@ -235,7 +235,7 @@ class PageCache(PrefixCache):
         """The chains of `namespace` and the pages and bytes they hold; the budget is everyone's."""
         nodes = self.tree.leaves_first(namespace)
         return {"enabled": True, "held_pages": len(nodes),
-                "held_bytes": sum(size_of(self.store.peek(node)) for node in nodes),
+                "held_bytes": sum(map(self.store.size, nodes)),
                 "budget_bytes": self.store.budget_bytes,
                 "chains": [chain.snapshot(self.page_rows, self.store) for chain in self.chains.values()
                            if chain.namespace == namespace]}
