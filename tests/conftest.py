@@ -32,6 +32,15 @@ def smollm2() -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def base_url(smollm2: Path) -> Iterator[str]:
+    """A real kvserve serving SmolLM2, started once per test module: each module starts from an
+    empty cache and zeroed metrics. One llama.cpp thread: its worker threads spin at barriers, so
+    two threads on a box where anything else runs slow a module from seconds to many minutes."""
+    with serve(smollm2, threads=1) as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def gemma3() -> Path:
     """Gemma 3 270M: interleaved sliding-window attention, window 512."""

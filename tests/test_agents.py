@@ -37,12 +37,6 @@ from conftest import serve
 set_tracing_disabled(True)  # the SDK would export traces to OpenAI
 
 
-@pytest.fixture(scope="module")
-def base_url(smollm2: Path) -> Iterator[str]:
-    with serve(smollm2, threads=1) as url:
-        yield url
-
-
 class Steps(AgentHooks):
     """Forces the next tool once a tool has run; after the last one, no tool."""
 
@@ -102,9 +96,8 @@ async def run_agent(agent: Agent, streamed: bool) -> Any:
 def test_agent_with_a_steered_workflow(base_url: str, streamed: bool) -> None:
     calls: list[tuple[str, Any]] = []
     result = asyncio.run(run_agent(weather_agent(base_url, calls), streamed))
-    assert [name for name, _ in calls] == ["get_weather", "to_fahrenheit"]
-    assert isinstance(calls[0][1], str) and calls[0][1]  # the SDK parsed and validated the arguments
-    assert isinstance(calls[1][1], float)
+    # the functions ran, so the SDK parsed and validated their arguments; the city is the question's
+    assert [name for name, _ in calls] == ["get_weather", "to_fahrenheit"] and calls[0][1] == "Paris"
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem", "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
     assert isinstance(result.final_output, str) and result.final_output.strip()

@@ -4,7 +4,6 @@ and the prefix-cache metrics."""
 from __future__ import annotations
 
 import httpx
-import pytest
 from openai import OpenAI
 
 from conftest import serve
@@ -18,22 +17,16 @@ def _chat(question: str) -> dict:
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
 
 
-@pytest.fixture(scope="module")
-def url(smollm2):
-    with serve(smollm2) as base:
-        yield base
-
-
-def test_match_reports_then_attach_uses_the_cached_prefix(url: str) -> None:
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
-    first = httpx.post(f"{url}/v1/prefix/match", json=_chat("Where is Dune?")).json()
+def test_match_reports_then_attach_uses_the_cached_prefix(base_url: str) -> None:
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    first = httpx.post(f"{base_url}/v1/prefix/match", json=_chat("Where is Dune?")).json()
     assert first["cached_tokens"] == 0 and first["prompt_tokens"] > 48
 
     done = client.chat.completions.create(**_chat("Where is Dune?"))
     assert done.usage.prompt_tokens_details.cached_tokens == 0
 
-    probe = httpx.post(f"{url}/v1/prefix/match", json=_chat("Where is Emma?")).json()
-    again = httpx.post(f"{url}/v1/prefix/match", json=_chat("Where is Emma?")).json()
+    probe = httpx.post(f"{base_url}/v1/prefix/match", json=_chat("Where is Emma?")).json()
+    again = httpx.post(f"{base_url}/v1/prefix/match", json=_chat("Where is Emma?")).json()
     assert probe == again  # match changes nothing
     assert probe["cached_tokens"] >= 48  # the first request's stream keeps what they share, in place
 
@@ -42,19 +35,21 @@ def test_match_reports_then_attach_uses_the_cached_prefix(url: str) -> None:
     usage = [chunk.usage for chunk in stream if chunk.usage][-1]
     assert usage.prompt_tokens_details.cached_tokens == probe["cached_tokens"]
 
-    completion = httpx.post(f"{url}/v1/prefix/match", json={"prompt": "plain text prompt"}).json()
-    assert completion == {"prompt_tokens": completion["prompt_tokens"], "cached_tokens": 0}
+    completion = httpx.post(f"{base_url}/v1/prefix/match", json={"prompt": "plain text prompt"}).json()
+    served = client.completions.create(model="any", prompt="plain text prompt", max_tokens=1).usage
+    assert completion == {"prompt_tokens": served.prompt_tokens, "cached_tokens": 0}
+    assert served.prompt_tokens_details.cached_tokens == 0
 
 
-def test_cache_view_and_metrics(url: str) -> None:
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+def test_cache_view_and_metrics(base_url: str) -> None:
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused")
     client.chat.completions.create(**_chat("Where is Ulysses?"))
-    view = httpx.get(f"{url}/v1/cache").json()
+    view = httpx.get(f"{base_url}/v1/cache").json()
     assert view["enabled"] and view["held_pages"] > 0 and view["page_rows"] == 16
     assert view["chains"] and all({"id", "tokens", "pages_alive", "hits", "preview"} <= set(c) for c in view["chains"])
     assert view["pool"]["free_streams"] == view["pool"]["streams"] == 8  # idle: every stream free, rows kept
     assert 0 < view["held_bytes"] <= view["budget_bytes"]
-    metrics = read_metrics(url)
+    metrics = read_metrics(base_url)
     assert metrics.value("kvserve_prefix_cache_hit_tokens_total") > 0
     assert metrics.value("kvserve_prefix_cache_queried_tokens_total") >= metrics.value(
         "kvserve_prefix_cache_hit_tokens_total")
@@ -66,8 +61,8 @@ def test_cache_view_and_metrics(url: str) -> None:
     assert 0 < metrics.value("kvserve_kv_cache_usage_ratio") <= 1
 
 
-def test_bad_match_body_is_a_400(url: str) -> None:
-    response = httpx.post(f"{url}/v1/prefix/match", json={"messages": []})
+def test_bad_match_body_is_a_400(base_url: str) -> None:
+    response = httpx.post(f"{base_url}/v1/prefix/match", json={"messages": []})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 

@@ -152,12 +152,6 @@ def test_a_cancelled_job_is_dropped(model: Model, mean: Embedder) -> None:
 # -- over HTTP ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def base_url(smollm2: Path):
-    with serve(smollm2) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 

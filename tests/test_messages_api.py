@@ -10,7 +10,6 @@ grammar holds from the first token: `any` and a named tool)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Iterator
 
 import anthropic
@@ -37,12 +36,6 @@ ADD = {"name": "add", "description": "Add two integers.", "input_schema": ADD_SC
 ADD_CHAT = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
                                              "parameters": ADD_SCHEMA}}
 STREAM_EVENT = pydantic.TypeAdapter(RawMessageStreamEvent)
-
-
-@pytest.fixture(scope="module")
-def base_url(smollm2: Path) -> Iterator[str]:
-    with serve(smollm2, threads=1) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -14,28 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from pathlib import Path
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
-from conftest import serve
-from kvserve.testing import read_metrics
+from kvserve.testing import read_metrics, wait_until
 
 MODEL = "smollm2"  # kvserve serves one model and ignores the name a client asks for
 MATH = [{"role": "user", "content": "What is 2+2?"}]  # "The answer to this classic math problem is 4."
 GERMANY = "The capital of Germany is"
-
-
-@pytest.fixture(scope="module")
-def base_url(smollm2: Path) -> Iterator[str]:
-    # One llama.cpp thread: its worker threads spin at barriers, so two threads on a box where
-    # anything else runs (a bench, a second pytest) slow this file from ~10 s to many minutes.
-    with serve(smollm2, threads=1) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +63,8 @@ def streamed_text(chunks: list, index: int = 0) -> tuple[list[str], str | None]:
 # --- chat and text completions -------------------------------------------------------------------
 
 
-def test_chat_completion_whole(client: openai.OpenAI) -> None:
+def test_chat_completion_whole(client: openai.OpenAI, base_url: str) -> None:
+    match = httpx.post(f"{base_url}/v1/prefix/match", json={"messages": MATH}).json()
     r = client.chat.completions.create(model=MODEL, messages=MATH, temperature=0, max_tokens=16)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert [c.index for c in r.choices] == [0]
@@ -85,8 +75,9 @@ def test_chat_completion_whole(client: openai.OpenAI) -> None:
     u = r.usage
     assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 16
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
-    assert isinstance(u.prompt_tokens_details.cached_tokens, int)
-    assert 0 <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens
+    # the prefix the cache attached, as /v1/prefix/match predicted it
+    assert u.prompt_tokens == match["prompt_tokens"]
+    assert u.prompt_tokens_details.cached_tokens == match["cached_tokens"] < u.prompt_tokens
 
 
 def test_chat_stream_equals_whole(client: openai.OpenAI) -> None:
@@ -116,14 +107,16 @@ def test_chat_stream_without_include_usage_has_no_usage(client: openai.OpenAI) -
     assert all(c.usage is None for c in chunks)
 
 
-def test_text_completion_stream_equals_whole(client: openai.OpenAI) -> None:
+def test_text_completion_stream_equals_whole(client: openai.OpenAI, base_url: str) -> None:
     kwargs = dict(model=MODEL, prompt=GERMANY, temperature=0, max_tokens=6)
+    match = httpx.post(f"{base_url}/v1/prefix/match", json={"prompt": GERMANY}).json()
     whole = client.completions.create(**kwargs)
     assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
     text = whole.choices[0].text
     assert text.strip() and whole.choices[0].finish_reason in {"stop", "length"}
     assert 0 < whole.usage.completion_tokens <= 6
-    assert isinstance(whole.usage.prompt_tokens_details.cached_tokens, int)
+    assert whole.usage.prompt_tokens == match["prompt_tokens"]
+    assert whole.usage.prompt_tokens_details.cached_tokens == match["cached_tokens"]
 
     chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert all(c.object == "text_completion" for c in chunks)
@@ -427,18 +420,18 @@ def test_routes_without_v1(base_url: str) -> None:
 
 
 def test_abandoned_stream_frees_its_sequence(base_url: str, client: openai.OpenAI) -> None:
-    """A client that hangs up mid-stream aborts its request; without that it would run for a minute."""
+    """A client that hangs up mid-stream aborts its request: it ends in far fewer engine steps than
+    the 3,000 tokens it asked for take (one step each), however long those steps are."""
     no_eos = {"0": -100, "2": -100}  # <|endoftext|> and <|im_end|>
+    steps = metric(base_url, "kvserve_engine_steps_total")
     stream = client.chat.completions.create(
         model=MODEL, messages=MATH, max_tokens=3000, logit_bias=no_eos, stream=True
     )
     next(c for c in stream if c.choices[0].delta.content)  # the app answers once the engine has run it
     assert metric(base_url, "kvserve_requests_running") == 1
     stream.close()
-    deadline = time.monotonic() + 5
-    while metric(base_url, "kvserve_requests_running") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(base_url, "kvserve_requests_running") == 0
+    wait_until(lambda: metric(base_url, "kvserve_requests_running") == 0, 600, "the request ended")
+    assert metric(base_url, "kvserve_engine_steps_total") - steps < 1000
 
 
 def test_metrics_count_a_request(base_url: str, client: openai.OpenAI) -> None:

@@ -129,7 +129,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</t
 
 
 def test_a_call_inside_the_thinking_is_reasoning_and_the_one_after_it_a_call() -> None:
-    text = f"I could write {CALL} here, or a bare {{\"name\": \"get_weather\", \"arguments\": {{}}}}.\n</think>\n\n{CALL}"
+    bare = '{"name": "get_weather", "arguments": {}}'
+    text = f"I could write {CALL} here, or a bare {bare}.\n</think>\n\n{CALL}"
     plan = ReplyPlan(DEEPSEEK_OPEN, _weather_plan())
     whole = read(plan, [text])
     assert read(plan, list(text)) == whole
@@ -217,12 +218,14 @@ def test_a_budget_of_zero_closes_an_opened_block_at_once() -> None:
 # --- grammars llama.cpp accepts ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fmt", [ToolFormat.HERMES, ToolFormat.MISTRAL, ToolFormat.LLAMA3, ToolFormat.GENERIC])
 @pytest.mark.parametrize("mode", [Mode.AUTO, Mode.REQUIRED])
 @pytest.mark.parametrize("thinking", list(Thinking))
-def test_grammars_after_thinking_are_accepted_by_llama_cpp(tiny, mode: Mode, thinking: Thinking) -> None:
+def test_grammars_after_thinking_are_accepted_by_llama_cpp(tiny, fmt: ToolFormat, mode: Mode,
+                                                           thinking: Thinking) -> None:
     from kvserve.llama.model import Model
 
-    grammar = tool_grammar(ToolFormat.HERMES, [WEATHER], required=mode is Mode.REQUIRED, parallel=True,
+    grammar = tool_grammar(fmt, [WEATHER], required=mode is Mode.REQUIRED, parallel=True,
                            opening_token=None, thinking=thinking)
     model = Model(tiny("llama", "hermes"))
     try:
@@ -272,3 +275,13 @@ def test_responses_reasoning_items_are_the_next_assistant_turns_thinking() -> No
     messages = chat_messages(body.items)
     assert [m.get("reasoning_content") for m in messages] == [None, "hm", None, "done"]
     assert messages[1]["tool_calls"][0]["id"] == "c1"
+
+
+def test_variables_that_break_the_template_are_a_400(tiny) -> None:
+    """A `chat_template_kwargs` key that shadows one of the template's functions makes it fail:
+    the request's fault, answered with a 400 naming messages, never a 500."""
+    from kvserve.llama.chat_template import ChatTemplate, ChatTemplateError
+
+    template = ChatTemplate("{% if x %}{{ raise_exception('no') }}{% endif %}{{ messages[0].content }}", "", "")
+    with pytest.raises(ChatTemplateError):
+        template.with_kwargs({"raise_exception": 1, "x": 1}).render([{"role": "user", "content": "hi"}])

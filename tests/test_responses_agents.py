@@ -12,24 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 from agents import Agent, OpenAIResponsesModel, Runner, RunResult, RunResultStreaming
 from openai import AsyncOpenAI
 
-from conftest import serve
 from test_agents import weather_agent
 
 QUESTION = "What is the weather in Paris?"
-
-
-@pytest.fixture(scope="module")
-def base_url(smollm2: Path) -> Iterator[str]:
-    with serve(smollm2, threads=1) as url:
-        yield url
 
 
 def responses_agent(base_url: str, calls: list[tuple[str, Any]]) -> Agent:
@@ -64,8 +56,8 @@ def check_store(base_url: str, result: RunResult | RunResultStreaming, chained: 
 def test_steered_agent_runs_to_its_final_output(base_url: str, streamed: bool, chained: bool) -> None:
     calls: list[tuple[str, Any]] = []
     result = asyncio.run(run(responses_agent(base_url, calls), streamed, chained))
-    assert [name for name, _ in calls] == ["get_weather", "to_fahrenheit"]
-    assert isinstance(calls[0][1], str) and calls[0][1] and isinstance(calls[1][1], float)
+    # the functions ran, so the SDK parsed and validated their arguments; the city is the question's
+    assert [name for name, _ in calls] == ["get_weather", "to_fahrenheit"] and calls[0][1] == "Paris"
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem", "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
     assert isinstance(result.final_output, str) and result.final_output.strip()

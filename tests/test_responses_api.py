@@ -7,7 +7,6 @@ chat tests' MATH prompt, picked there for a clear margin at every step."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Iterator, get_args
 
 import httpx
@@ -28,12 +27,6 @@ from test_openai_api import assert_openai_error
 MODEL = "smollm2"
 QUESTION = "What is 2+2?"
 EVENT_TYPES = {get_args(c.model_fields["type"].annotation)[0]: c for c in get_args(get_args(ResponseStreamEvent)[0])}
-
-
-@pytest.fixture(scope="module")
-def base_url(smollm2: Path) -> Iterator[str]:
-    with serve(smollm2, threads=1) as url:  # one thread: see test_openai_api
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from kvserve.testing.tiny_models import ARCHS, write_tiny_model
 
 # (is_recurrent, is_hybrid) per arch.
-MEMORY_KIND = {"llama": (False, False), "lfm2": (False, True), "mamba": (True, False)}
+MEMORY_KIND = {"llama": (False, False), "lfm2": (False, True), "mamba": (True, False), "gemma3": (False, False)}
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
 N_GENERATE = 8
 N_CTX = 256
@@ -27,7 +27,7 @@ def _backend() -> None:
     llama_cpp.llama_backend_init()
 
 
-@pytest.fixture(params=ARCHS)
+@pytest.fixture(params=[*ARCHS, "gemma3"])
 def model(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, llama_cpp.llama_model_p]]:
     arch = request.param
     path = write_tiny_model(arch, tmp_path / f"{arch}.gguf")

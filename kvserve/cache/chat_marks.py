@@ -83,7 +83,9 @@ def render_turn_marked(model: Model, chat: Chat) -> MarkedTurn:
 def mark_messages(model: Model, template: ChatTemplate, messages: list[dict[str, str]]) -> MarkedTurn:
     """The prompt tokens of `messages` (with the generation prompt) and its four marks."""
     text = template.render(messages)
-    tokens = model.tokenize(text, add_special=model.adds_bos, parse_special=True)
+    # BOS as the unmarked prompt gets it: added only where the model wants it and the text lacks it
+    bos = template.bos_token
+    tokens = model.tokenize(text, add_special=model.adds_bos and not (bos and text.startswith(bos)), parse_special=True)
     ends = _token_ends(model, tokens)
 
     def at(chars: int | None) -> int:

@@ -107,6 +107,25 @@ class HostStore(Generic[K, V]):
             self._push(key, entry)
         return True
 
+    def replace(self, key: K, value: V) -> bool:
+        """Hold `value` in place of a locked entry's (its locks, rank, hits and recency kept), evicting
+        others if it is larger; False, changing nothing, if it cannot fit."""
+        entry = self._entries[key]
+        if not entry.locks:
+            raise ValueError("replace needs a locked entry: it must not be evicted to make its own room")
+        grow = size_of(value) - entry.nbytes
+        if grow > 0:
+            if not self.fits(grow):
+                return False
+            self.evict(self.bytes_used + grow - self.budget_bytes)
+            if self.bytes_used + grow > self.budget_bytes:
+                return False
+        entry.value = value
+        entry.nbytes += grow
+        self.bytes_used += grow
+        self._locked_bytes += grow
+        return True
+
     def get(self, key: K) -> V | None:
         """The value, counted as a hit (the entry turns hot) and as its latest use."""
         entry = self._entries.get(key)

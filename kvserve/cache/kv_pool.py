@@ -12,8 +12,10 @@ Invariants (checked by tests through llama.cpp's own positions):
 - a stream is either live (one session) or idle; sessions never exceed the streams;
 - a session is placed only in a stream whose resident rows are of its own namespace, and a fork
   takes its parent's namespace with its rows;
-- rows are cut back only where the model allows it (`cuttable`): never for a recurrent state or a
-  sliding window, whose earlier rows the stream no longer has.
+- rows are cut back to `n` only where the stream keeps what a token at `n` attends (`can_cut`):
+  never for a recurrent state; for a sliding window, only while the stream still holds the window's
+  rows before `n` (`llama_memory_seq_pos_min` <= n - n_swa + 1), since llama.cpp reuses a cell once
+  it falls out of its sequence's window.
 """
 
 from __future__ import annotations
@@ -131,8 +133,6 @@ class StreamPool:
             raise ValueError("the pool needs a stream per sequence")
         self.ctx = ctx
         self.streams = [Stream(seq) for seq in range(ctx.n_seq_max)]
-        # whole-sequence cuts are safe only where every row of the sequence stays in its stream
-        self.cuttable = not ctx.model.info.carries_state and ctx.n_swa == 0
         self.reuse = reuse
         self.inplace_reuses = 0  # sessions placed in a stream that held their prefix
         self.inplace_tokens = 0  # the tokens those reuses did not recompute
@@ -185,9 +185,17 @@ class StreamPool:
         if stream.namespace != key.namespace:
             return 0
         n = min(common_prefix(stream.resident, key.tokens), len(key.tokens) - 1)
-        if n < MIN_REUSE or (n < len(stream.resident) and not self.cuttable):
+        if n < MIN_REUSE or (n < len(stream.resident) and not self.can_cut(stream.seq, n)):
             return 0
         return n
+
+    def can_cut(self, seq: int, n: int) -> bool:
+        """Whether `seq`'s rows from position `n` on can go and leave what the token at `n` attends:
+        never a recurrent state's; under a sliding window, only while llama.cpp still holds the rows
+        of positions n - n_swa + 1 .. n - 1 (the lowest position it holds says so)."""
+        if self.ctx.model.info.carries_state:
+            return False
+        return not self.ctx.n_swa or self.ctx.seq_pos_min(seq) <= max(0, n - self.ctx.n_swa + 1)
 
     def _best(self, key: PrefixKey) -> tuple[Stream | None, int]:
         best, best_n = None, 0

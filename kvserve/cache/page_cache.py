@@ -15,7 +15,12 @@ Invariants:
 - each node locks its parent's page in the store once, so only leaves are evicted and chains
   shrink from the tail; a session locks the pages it attached or donated until it ends: those are
   never evicted; otherwise cold pages (never attached) go first, then the least recently used;
-- a session that attached `n` tokens has exactly positions `0 .. n-1` in its stream.
+- a session that attached `n` tokens has exactly positions `0 .. n-1` in its stream;
+- sliding-window models: a prefix is attached only where its pages hold the window's rows before
+  its end. The prefill of a chat prompt stops at the page boundary at or before each useful mark
+  (`checkpoint_at`), and `insert` there keeps the window with the pages: new pages carry it as
+  read, pages already cached get it from a PARTIAL_ONLY read (`SeqState.read_window`). Those rows
+  are part of the pages' bytes, within the same budget.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class PageCache(PrefixCache):
         self._hit_tokens = 0
         self._evicted_pages = 0
         self._next_chain = 1
+        self.windows_filled = 0  # windows read alone into pages already cached (PARTIAL_ONLY)
 
     @property
     def held_pages(self) -> int:
@@ -129,9 +135,19 @@ class PageCache(PrefixCache):
         return n
 
     def gains_from_waiting(self, shared: int, cached: int) -> bool:
-        """At least one more whole page to attach; never for a sliding-window model, whose pages
-        donated at a prompt's end lack the window before any earlier end."""
-        return not self.rows.n_swa and shared >= cached + 2 * self.page_rows
+        """At least one more whole page to attach (for a sliding-window model, once the running
+        prefill keeps a window at one of its marks in between)."""
+        return shared >= cached + 2 * self.page_rows
+
+    def checkpoint_at(self, session: Session, tokens: list[int], matched: int, mark: int) -> int:
+        """For a sliding-window model: the page boundary at or before `mark`, where `insert` keeps the
+        window's rows with the pages, unless the cache can already restore that prefix."""
+        if not self.rows.n_swa:
+            return 0
+        stop = mark // self.page_rows * self.page_rows
+        if not matched < stop < len(tokens):
+            return 0
+        return 0 if self.match_len(PrefixKey(session.namespace, tokens[: stop + 1])) == stop else stop
 
     # -- donation -----------------------------------------------------------------------------------
 
@@ -146,6 +162,12 @@ class PageCache(PrefixCache):
         """
         if session.tokens[: len(tokens)] != list(tokens):
             raise ValueError("insert takes tokens the session has evaluated, in order")
+        chain = self._donate(session, tokens, preview)
+        if self.rows.n_swa and len(tokens) == session.n_past and len(tokens) % self.page_rows == 0:
+            self._keep_window(session, len(tokens))
+        return chain
+
+    def _donate(self, session: Session, tokens: list[int], preview: str) -> Chain | None:
         n_pages = len(tokens) // self.page_rows
         path = self.tree.match(PrefixKey(session.namespace, tokens), n_pages)
         self._lock(session, path)  # keep them while storing new pages evicts
@@ -162,6 +184,22 @@ class PageCache(PrefixCache):
         self.chains[chain.id] = chain
         chain.path = path + added
         return chain
+
+    def _keep_window(self, session: Session, n: int) -> None:
+        """Make the pages before `n`, where the session stands, hold the window's rows for position
+        `n` (read alone from the stream) unless they do, or the budget cannot take them."""
+        path = self.tree.match(PrefixKey(session.namespace, session.tokens), n // self.page_rows)  # `insert` locked it
+        pages = [self.store.peek(node) for node in path]
+        if len(path) * self.page_rows != n or self.rows.restorable(pages, n):
+            return
+        first, window = self.rows.read_window(session.seq)
+        filled = self.rows.with_window(pages, first, window)
+        if not self.store.fits(sum(new.nbytes - old.nbytes for old, new in zip(pages, filled))):
+            return
+        for node, old, new in zip(path, pages, filled):
+            if new is not old:
+                self.store.replace(node, new)
+        self.windows_filled += 1
 
     def _add_pages(self, session: Session, tokens: list[int], chain: Chain, pages: list[KvPage]) -> list[PageNode]:
         """Store `pages` under the end of `chain.path`, locked for the session, until one does not fit."""
@@ -231,11 +269,19 @@ class PageCache(PrefixCache):
         """Pages a live session reads (a parent locked only by its children is not counted)."""
         return len({node for nodes in self._locks.values() for node in nodes})
 
+    def window_bytes(self, namespace: str | None = None) -> int:
+        """Of the pages' bytes (of `namespace`, or all), those of sliding-window rows (0 for a model
+        without a window)."""
+        if not self.rows.n_swa:
+            return 0
+        nodes = self.tree.leaves_first(namespace)
+        return sum(page.tables[1].nbytes for node in nodes if (page := self.store.peek(node)) is not None)
+
     def view(self, namespace: str) -> dict:
         """The chains of `namespace` and the pages and bytes they hold; the budget is everyone's."""
         nodes = self.tree.leaves_first(namespace)
         return {"enabled": True, "held_pages": len(nodes),
                 "held_bytes": sum(map(self.store.size, nodes)),
-                "budget_bytes": self.store.budget_bytes,
+                "budget_bytes": self.store.budget_bytes, "window_bytes": self.window_bytes(namespace),
                 "chains": [chain.snapshot(self.page_rows, self.store) for chain in self.chains.values()
                            if chain.namespace == namespace]}

@@ -78,6 +78,27 @@ class PageTree:
             path.append(node)
         return path
 
+    def continuation(self, key: PrefixKey, k: int) -> list[int]:
+        """Up to `k` tokens that followed `key`'s tokens in a sequence donated under its namespace:
+        the rest of the page the tokens end inside, then whole pages, taking the most reused child
+        where donations went different ways. Empty when no page holds the tokens' partial last page.
+        Touches nothing."""
+        rows, tokens = self.page_rows, key.tokens
+        path = self.match(key)
+        node = path[-1] if path else self.roots.get(key.namespace)
+        if node is None or len(path) < len(tokens) // rows:
+            return []
+        partial = tuple(tokens[len(path) * rows :])
+        out: list[int] = []
+        while len(out) < k:
+            children = [c for key, c in node.children.items() if key[: len(partial)] == partial]
+            if not children:
+                break
+            node = max(children, key=lambda c: c.hits)
+            out.extend(node.key[len(partial) :])
+            partial = ()
+        return out[:k]
+
     def add_child(self, parent: PageNode, key: tuple[int, ...], chain_id: int) -> PageNode:
         node = PageNode(key=key, parent=parent, depth=parent.depth + 1, namespace=parent.namespace, chain_id=chain_id)
         if parent.is_root:

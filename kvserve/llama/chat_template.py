@@ -98,3 +98,7 @@ class ChatTemplate:
             raise
         except TemplateError as exc:  # includes SecurityError from the sandbox
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            # the request's own variables or messages broke the template (a variable that shadows
+            # one of its functions): the request's fault, not the server's
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc

@@ -60,6 +60,10 @@ class ContextParams:
     pooling: int = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED
     type_k: KvType = "f16"  # how each K row is stored (and serialized into state blobs)
     type_v: KvType = "f16"  # quantized V needs flash attention: llama.cpp refuses the context otherwise
+    # a sliding-window cache as large as the full one (llama.cpp's default): a cell out of its
+    # sequence's window is overwritten only when the stream has no free cell first; False keeps
+    # n_swa + n_ubatch cells, as llama-server does
+    swa_full: bool = True
 
     @property
     def n_ctx(self) -> int:
@@ -91,6 +95,7 @@ class Context:
         cparams.pooling_type = params.pooling
         cparams.type_k = KV_TYPES[params.type_k]
         cparams.type_v = KV_TYPES[params.type_v]
+        cparams.swa_full = params.swa_full
         self.model = model
         self.params = params
         with log_lines() as said:

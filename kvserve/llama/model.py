@@ -30,11 +30,18 @@ class ModelInfo:
     n_vocab: int
     is_recurrent: bool
     is_hybrid: bool
+    n_swa: int = 0  # the sliding window of its SWA layers, in positions (0: none)
 
     @property
     def carries_state(self) -> bool:
         """True when KV pages alone cannot restore a prefix (Mamba, LFM2, hybrids)."""
         return self.is_recurrent or self.is_hybrid
+
+    @property
+    def keeps_at_marks(self) -> bool:
+        """True when a prefix is cached only where the prefill stops (a recurrent state, or a sliding
+        window's rows, which a sequence keeps only for its last positions): chat prompts carry marks."""
+        return self.carries_state or self.n_swa > 0
 
 
 class Model:
@@ -56,6 +63,7 @@ class Model:
             n_vocab=llama_cpp.llama_vocab_n_tokens(self._vocab),
             is_recurrent=bool(llama_cpp.llama_model_is_recurrent(self._ptr)),
             is_hybrid=bool(llama_cpp.llama_model_is_hybrid(self._ptr)),
+            n_swa=int(llama_cpp.llama_model_n_swa(self._ptr)),
         )
         self.bos = llama_cpp.llama_vocab_bos(self._vocab)
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)

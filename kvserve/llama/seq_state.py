@@ -29,6 +29,10 @@ A page keeps the SWA rows its positions had (always a suffix of the page). Resto
 the SWA rows of [n - n_swa + 1, n), the ones the next token attends (a chunked window needs fewer):
 where a page lacks them, `restorable` is False and `assemble` raises MissingRows. So pages donated
 from far past a prefix's end restore the full layers only; such a prefix is refused, not guessed.
+The window's rows of a sequence standing at a page boundary come back alone with
+`llama_state_seq_get_data_ext(..., LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)` (the SWA section only:
+`read_window`), and `with_window` puts them into the pages before that boundary: a position's rows
+depend only on the tokens up to it, so they hold for every prompt through those pages.
 
 Models that carry state (recurrent, hybrid) are refused: their checkpoints are whole opaque blobs
 (`Context.save_state` / `load_state`) that a host store keeps as they are.
@@ -178,6 +182,41 @@ class SeqState:
             hi = min(max(start + n - first, 0), len(table))
             tables.append(table[lo:hi].copy())
         return KvPage(start, n, tuple(tables))
+
+    def read_window(self, seq: int) -> tuple[int, np.ndarray]:
+        """The sliding-window rows `seq` holds for its next token, read alone (llama.cpp's
+        PARTIAL_ONLY state: the SWA section, no full-attention rows): (first position, table in
+        position order, ending at the sequence's last position)."""
+        if not self.n_swa or self._layout is None or len(self._layout) != 2:
+            raise StateFormatError("no sliding-window section known: read a whole sequence first")
+        blob = self.ctx.read_seq_state(seq, llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        reader = _Reader(blob)
+        if int(reader.take(_HEADER_BYTES)[:4].view(np.uint32)[0]) != _MAGIC:
+            raise StateFormatError("not a sequence state blob (magic)")
+        section, found = self._read_section(reader, self._layout[1], 1, 0)
+        if reader.at != blob.size or section.blocks != self._layout[1].blocks:
+            raise StateFormatError("a partial state that is not one sliding-window section")
+        found.table[:, section.meta_bytes - 4 : section.meta_bytes] = 0
+        if found.span[1] != self.ctx.seq_pos_max(seq) + 1:
+            raise StateFormatError("sliding-window rows that do not end where the sequence does")
+        return found.span[0], found.table
+
+    @staticmethod
+    def with_window(pages: list[KvPage], first: int, window: np.ndarray) -> list[KvPage]:
+        """`pages` (consecutive, ending where `window` does) with the sliding-window rows of
+        positions `first` on taken from `window` wherever a page lacks them; a page that needs none
+        is returned as it was."""
+        if not pages or first + len(window) != pages[-1].end:
+            raise ValueError("the window must end where the pages do")
+        out = []
+        for page in pages:
+            lo = max(page.start, first)
+            if lo >= page.end or page.first_present(1) <= lo:
+                out.append(page)
+                continue
+            rows = window[lo - first : page.end - first].copy()
+            out.append(KvPage(page.start, page.n_rows, (page.tables[0], rows)))
+        return out
 
     def parse(self, blob: np.ndarray, first: int = 0) -> SeqRows:
         """A blob's cells from position `first` on (all of them while the layout is being learned)."""

@@ -16,7 +16,6 @@ from typing import Union
 
 from kvserve.reply.reasoning import Answer, ReasoningSplitter, ReasoningSyntax
 from kvserve.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser, ToolPlan
-from kvserve.tools.parser import TOOL_CALLS
 
 
 @dataclass(frozen=True)
@@ -102,4 +101,4 @@ def merged(events: list[ReplyEvent]) -> list[ReplyEvent]:
 
 
 __all__ = ["ArgumentsDelta", "CallStarted", "ContentDelta", "Ended", "ReasoningDelta", "ReplyEvent", "ReplyPlan",
-           "ReplyReader", "TOOL_CALLS", "merged"]
+           "ReplyReader", "merged"]

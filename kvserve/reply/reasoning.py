@@ -35,6 +35,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 H_START, H_CHANNEL, H_MESSAGE, H_END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 H_RETURN, H_CALL, H_CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
 HARMONY_TAGS = (H_START, H_CHANNEL, H_MESSAGE, H_END, H_RETURN, H_CALL, H_CONSTRAIN)
+_TAGS = {ReasoningFormat.NONE: (), ReasoningFormat.DEEPSEEK: (THINK_OPEN, THINK_CLOSE), ReasoningFormat.HARMONY: HARMONY_TAGS}
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,7 @@ class ReasoningSplitter:
     def __init__(self, syntax: ReasoningSyntax) -> None:
         self._format = syntax.format
         harmony = self._format is ReasoningFormat.HARMONY
-        tags = HARMONY_TAGS if harmony else (THINK_OPEN, THINK_CLOSE) if self._format is ReasoningFormat.DEEPSEEK else ()
-        self._scanner = _TagScanner(tags)
+        self._scanner = _TagScanner(_TAGS[self._format])
         self._state = _State.THINKING if syntax.starts_open and not harmony else _State.START
         self._held_ws = ""  # whitespace inside the thinking, out only if more thinking follows
         self._thought = False  # some reasoning went out: leading whitespace is no longer dropped

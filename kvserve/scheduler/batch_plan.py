@@ -1,8 +1,9 @@
 """Batch planning: which tokens the next `llama_decode` carries, and who gives way when none fit.
 
 Invariants:
-- decode tokens go first, one per running choice that has sampled; prompt chunks fill the rest in
-  admission order;
+- decode tokens go first, one per running choice that has sampled, each followed by the draft the
+  speculator gave it (every one of them with logits, to be verified); prompt chunks fill the rest
+  in admission order;
 - a batch never exceeds the token budget, never carries a sequence twice, and carries a sequence's
   tokens only where `KvManager.reserve` found room in its stream (a sequence at its stream's end
   ends with `length`);
@@ -10,6 +11,9 @@ Invariants:
   that many prompt tokens, so a running stream's next token waits for one short step, never a long
   prefill (stall-free batching, as Sarathi-Serve's);
 - choice 0's prefill stops at each of its request's checkpoints, where a recurrent state can be saved;
+- a step runs under one LoRA adapter set (llama.cpp applies adapters to the whole context), so it
+  carries the sequences of one set only: of the sets with work, the one served least recently (ties:
+  the set of the earliest admitted request), so with k sets each gets at least every k-th step;
 - a step is one `llama_decode`: each sequence has its own stream, and llama.cpp splits the batch
   into per-stream ubatches itself, so a decode token never attends over another sequence's cells;
   the scheduler adds a step's tokens in sequence-id order, for llama.cpp keeps sequences in one
@@ -18,25 +22,37 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.llama.batch import Batch
+from kvserve.llama.lora import BASE, AdapterSet
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.ending import Ending
 from kvserve.scheduler.kv_manager import KvManager
 from kvserve.scheduler.queues import Queues
 from kvserve.scheduler.request import Choice, FinishReason, Request
+from kvserve.scheduler.speculation import SpecState, Speculator
+from kvserve.scheduler.drafters import Sequence
 from kvserve.scheduler.step_output import StepOutputs
 
 
 @dataclass
 class Slot:
-    """The next `n_tokens` tokens of one choice in the batch."""
+    """The next `n_tokens` tokens of one choice in the batch, then its `draft` (guessed tokens after
+    them, decoding slots only): the logits of the last known token and of every draft token are
+    read from consecutive rows starting at `logits_index`."""
 
     request: Request
     choice: Choice
     n_tokens: int
     logits_index: int | None = None  # set when this chunk ends the sequence's known tokens
+    draft: list[int] = field(default_factory=list)
+    drafter: str = ""  # who proposed the draft (metrics)
+
+    @property
+    def n_decoded(self) -> int:
+        """Tokens this slot puts into the batch."""
+        return self.n_tokens + len(self.draft)
 
     def add_to(self, batch: Batch) -> None:
         session = self.choice.session
@@ -45,21 +61,67 @@ class Slot:
             index = batch.add(self.choice.tokens[pos], pos, session.seq, last)
             if last:
                 self.logits_index = index
+        for i, token in enumerate(self.draft, start=session.n_past + self.n_tokens):
+            batch.add(token, i, session.seq, True)
 
 
 class BatchPlanner:
-    def __init__(self, kv: KvManager, ending: Ending, config: SchedulerConfig, queues: Queues) -> None:
+    def __init__(self, kv: KvManager, ending: Ending, config: SchedulerConfig, queues: Queues,
+                 speculator: Speculator | None = None) -> None:
         self.kv = kv
         self.ending = ending
         self.config = config
         self.queues = queues
+        self.speculator = speculator
         self.preemptions = 0
+        self.adapters: AdapterSet = BASE  # the adapter set of the last planned step
+        self._served: dict[AdapterSet, int] = {}  # the step at which each set was last served
+        self._steps = 0
 
     def plan(self, outputs: StepOutputs) -> list[Slot]:
-        """The step's `llama_decode`: decode tokens first, then prompt chunks, within budget; a
-        sequence with no room left in its stream ends with `length`."""
+        """The step's `llama_decode`: one adapter set's decode tokens and their drafts first, then its
+        prompt chunks, within budget; a sequence with no room left in its stream ends with `length`."""
         decoding, prefilling = self._resident_slots(outputs)
-        return decoding + self._prefill_chunks(prefilling, len(decoding))
+        self.adapters = self._next_adapters([s.request for s in decoding + prefilling])
+        decoding = [s for s in decoding if s.request.adapters == self.adapters]
+        prefilling = [s for s in prefilling if s.request.adapters == self.adapters]
+        if decoding and self.speculator is not None and self.speculator.enabled:
+            waiting = sum(slot.choice.unevaluated for slot in prefilling)
+            self._draft(decoding, min(waiting, self._prefill_budget(len(decoding))))
+        return decoding + self._prefill_chunks(prefilling, sum(slot.n_decoded for slot in decoding))
+
+    def _draft(self, decoding: list[Slot], n_prefill: int) -> None:
+        """Give decoding slots the speculator's drafts, each within its stream's room (`allocate`'s
+        lookahead), its request's `max_tokens` and the longest sequence; all within the budget."""
+        speculator = self.speculator
+        assert speculator is not None
+        spare = self.config.token_budget - len(decoding) - n_prefill
+        candidates = []
+        for slot in decoding:
+            choice, request = slot.choice, slot.request
+            if choice.spec is None:
+                choice.spec = SpecState(Sequence(choice.tokens, len(request.prompt), request.prediction,
+                                                  request.namespace))
+            reserved = self.kv.allocate(choice, 1, speculator.config.draft_max) or 1
+            limit = min(reserved - 1, request.max_tokens - choice.n_generated - 1,
+                        self.config.max_seq_len - len(choice.tokens), max(spare, 0))
+            candidates.append((choice.spec, limit))
+        for slot, (draft, drafter) in zip(decoding, speculator.choose(candidates, len(decoding), n_prefill)):
+            draft = draft[: max(spare, 0)]
+            slot.draft, slot.drafter = draft, drafter
+            spare -= len(draft)
+
+    def _next_adapters(self, requests: list[Request]) -> AdapterSet:
+        """Of the adapter sets with work, the one served least recently (first come on a tie)."""
+        self._steps += 1
+        sets = list(dict.fromkeys(r.adapters for r in requests))  # in admission order
+        if len(sets) <= 1:
+            chosen = sets[0] if sets else self.adapters
+        else:
+            chosen = min(sets, key=lambda a: self._served.get(a, -1))
+        self._served = {a: self._served.get(a, -1) for a in sets}  # forget sets without work
+        self._served[chosen] = self._steps
+        return chosen
 
     def shed_load(self, outputs: StepOutputs) -> None:
         """llama.cpp found no room: the newest request gives its sequences back (donating what it

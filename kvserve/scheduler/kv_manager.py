@@ -1,6 +1,7 @@
 """The KV side of requests, and the one allocation API the scheduler asks: can this request start
-(`room_for`), place its sequences (`start`), reserve room for the next tokens of one (`reserve`),
-free them (`release`). Nothing else in the scheduler counts KV cells.
+(`room_for`), place its sequences (`start`), reserve room for the next tokens of one and a draft's
+lookahead (`allocate`), keep what a decode evaluated and cut what verification rejected (`commit`),
+free them (`release`). Nothing else in the scheduler counts KV cells or writes what a stream holds.
 
 Each sequence has a stream of `n_ctx_seq` cells of its own, so a request fits when its prompt and
 one generated token fit one stream, and a sequence can always grow to the end of its stream.
@@ -8,7 +9,11 @@ Every lookup is by the request's `PrefixKey`, and every session of a request is 
 
 Invariants:
 - a session holds exactly the tokens llama.cpp has for its seq id: `start` sets what was kept in
-  place or attached, `commit` appends what a decode evaluated, nothing else does;
+  place or attached, `commit` appends what a decode evaluated and cuts (`llama_memory_seq_rm`)
+  the rows of draft tokens that verification rejected, nothing else does; so after every step
+  `llama_memory_seq_pos_max` of a running sequence is its session's length - 1;
+- rows are cut only where the model allows it (`can_cut`): never for a recurrent state or a
+  sliding window, so speculation is off for those models;
 - a choice holds a session from its start until its request ends or is preempted; `release` frees
   every one of them;
 - a forked choice never donates: its prompt is choice 0's;
@@ -24,6 +29,7 @@ from collections import Counter
 from dataclasses import replace
 
 from kvserve.cache.cache_stats import CacheStats
+from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import KvPool, PoolExhausted
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.prefix_key import PrefixKey, namespace_kind
@@ -103,22 +109,45 @@ class KvManager:
     def plan_checkpoints(self, request: Request) -> None:
         """Keep the request's marks at which a checkpoint of choice 0 is worth a stop of its prefill."""
         session = request.state.choices[0].session
-        request.state.checkpoints = {
-            mark.position: mark.kind for mark in request.marks
-            if self.cache.checkpoint_at(session, request.prompt, session.n_past, mark.position)
-        }
+        stops: dict[int, MarkKind] = {}
+        for mark in request.marks:  # shallowest first: an opening kind wins a stop two marks share
+            stop = self.cache.checkpoint_at(session, request.prompt, session.n_past, mark.position)
+            if stop:
+                stops.setdefault(stop, mark.kind)
+        request.state.checkpoints = stops
 
     # -- growing ------------------------------------------------------------------------------------------
 
-    def reserve(self, choice: Choice, n_tokens: int) -> bool:
-        """Whether the choice's stream has room for its next `n_tokens` (it is its own: nothing to take)."""
-        return choice.session.n_past + n_tokens <= self.pool.n_ctx_seq
+    @property
+    def can_cut(self) -> bool:
+        """Whether rejected draft rows can be cut from a stream: not from a recurrent state, and not
+        from a sliding window, whose cells a longer batch may have overwritten."""
+        return not self.model.info.carries_state and not self.pool.ctx.n_swa
 
-    @staticmethod
-    def commit(choice: Choice, n_tokens: int) -> None:
-        """The decode evaluated the choice's next `n_tokens` tokens: its session holds them now."""
+    def allocate(self, choice: Choice, n_new: int, lookahead: int = 0) -> int | None:
+        """Room in the choice's stream for its next `n_new` tokens and up to `lookahead` draft tokens
+        after them: how many of all those it reserved (`n_new` plus the lookahead that fits), or None
+        when `n_new` do not fit. The stream is the sequence's own, so nothing is taken from others."""
+        room = self.pool.n_ctx_seq - choice.session.n_past
+        if n_new > room:
+            return None
+        return n_new + max(0, min(lookahead, room - n_new))
+
+    def reserve(self, choice: Choice, n_tokens: int) -> bool:
+        """Whether the choice's stream has room for its next `n_tokens`."""
+        return self.allocate(choice, n_tokens) is not None
+
+    def commit(self, choice: Choice, n_accepted: int, n_decoded: int | None = None) -> None:
+        """The decode evaluated `n_decoded` (default `n_accepted`) tokens after the session; the first
+        `n_accepted` of them are the choice's next tokens and stay, the rows of the rest (rejected
+        draft tokens) are cut from the stream."""
         session = choice.session
-        session.tokens.extend(choice.tokens[session.n_past : session.n_past + n_tokens])
+        start = session.n_past
+        session.tokens.extend(choice.tokens[start : start + n_accepted])
+        if n_decoded is not None and n_decoded > n_accepted:
+            if not self.can_cut:
+                raise RuntimeError("rejected draft rows in a stream that cannot cut rows")
+            self.pool.ctx.seq_rm(session.seq, start + n_accepted, -1)
 
     def checkpoint_if_at_mark(self, request: Request, choice: Choice) -> None:
         session = choice.session

@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.cache.chat_marks import Mark, MarkKind
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.detokenizer import Detokenizer
+from kvserve.llama.lora import BASE, AdapterSet
 from kvserve.llama.sampler import Sampler, SamplingParams, TokenLogprobs
 from kvserve.scheduler.stop_strings import StopMatcher
 from kvserve.scheduler.thinking import ThinkingLimit, ThinkingWatch
@@ -55,8 +57,14 @@ class Request:
     special_text: bool = False  # the text spells out special tokens (a tool-call marker may be one)
     namespace: str = ""  # whose cached rows it may use and adds to ("": the shared default; see server/namespace.py)
     thinking: ThinkingLimit | None = None  # a reply that thinks first: watched, and closed at its budget
+    prediction: list[int] = field(default_factory=list)  # OpenAI's Predicted Outputs, tokenized: a draft
+    adapters: AdapterSet = BASE  # the LoRA adapters its steps run under (canonical; part of its namespace)
     arrival: float = field(default_factory=time.monotonic)
     state: RequestState = field(default_factory=RequestState, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.adapters and "lora:" not in self.namespace:
+            raise ValueError("a request under LoRA adapters needs a namespace that names them (request_namespace)")
 
     @property
     def key(self) -> PrefixKey:
@@ -87,6 +95,7 @@ class Choice:
     forked: bool = False  # it shares choice 0's prompt cells, so it never donates them
     n_generated: int = 0
     finish_reason: FinishReason | None = None
+    spec: Any = None  # the speculator's `SpecState` of this choice, once it drafted for it
 
     @property
     def unevaluated(self) -> int:
@@ -120,6 +129,8 @@ class Usage:
     cached_tokens: int
     queue_seconds: float
     reasoning_tokens: int = 0  # of completion_tokens, those generated while thinking
+    accepted_prediction_tokens: int = 0  # of the request's `prediction`, verified into the output
+    rejected_prediction_tokens: int = 0  # of the request's `prediction`, drafted and rejected
 
 
 @dataclass

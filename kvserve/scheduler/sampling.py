@@ -7,7 +7,11 @@ Invariants:
   held back for a possible stop string or a character split across tokens;
 - a choice ends with `length` at its `max_tokens` or at the longest sequence the context allows;
 - a choice whose thinking spent its budget takes the close text's tokens instead of sampling
-  (`thinking.ThinkingWatch`).
+  (`thinking.ThinkingWatch`);
+- a draft is verified by sampling its rows in order with the choice's own chain, each sampled token
+  emitted exactly as without a draft, up to the first that differs from the draft's token (the
+  correction) or the choice's end: the chain never sees a token that is not emitted, and nothing
+  after a stop string, an end-of-generation token or `max_tokens` is emitted.
 """
 
 from __future__ import annotations
@@ -50,6 +54,20 @@ class Sampling:
             delta.stop_sequence = choice.stop_matcher.matched
         elif choice.n_generated >= request.max_tokens or len(choice.tokens) >= self.max_seq_len:
             self._close_choice(choice, FinishReason.LENGTH, delta)
+
+    def verify(self, request: Request, choice: Choice, row: int, draft: list[int], outputs: StepOutputs) -> int:
+        """Take the choice's tokens from rows `row`, `row + 1`, .. (the last known token's, then each
+        draft token's) while each sampled token is the draft's; returns how many draft tokens were
+        accepted, i.e. whose rows hold the choice's tokens. The last token taken is never evaluated.
+
+        For a draft that is one guess per position (every drafter here), sampling the target and
+        comparing is the standard rejection rule: the guess is kept with the target's probability
+        of it, and a rejection samples the target's distribution without the guess."""
+        for i in range(len(draft) + 1):
+            self.take_token(request, choice, row + i, outputs)
+            if choice.finish_reason is not None or i == len(draft) or choice.tokens[-1] != draft[i]:
+                return i
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _close_choice(choice: Choice, reason: FinishReason, delta: Delta) -> None:

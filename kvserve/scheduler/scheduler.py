@@ -22,6 +22,7 @@ from kvserve.cache.kv_pool import KvPool
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import DecodeError, NoKvSlot
+from kvserve.llama.lora import LoraAdapters
 from kvserve.llama.sampler import live_samplers
 from kvserve.scheduler.admission import Admission
 from kvserve.scheduler.batch_plan import BatchPlanner, Slot
@@ -33,6 +34,8 @@ from kvserve.scheduler.queues import Queues
 from kvserve.scheduler.request import FinishReason, Request, RequestOutput
 from kvserve.scheduler.sampling import Sampling
 from kvserve.scheduler.snapshot import EngineSnapshot
+from kvserve.scheduler.speculation import SpecConfig, Speculator
+from kvserve.scheduler.drafters import TreeDrafter
 from kvserve.scheduler.step_output import StepOutputs
 
 _log = logging.getLogger("kvserve.scheduler")
@@ -46,12 +49,15 @@ class StepTimes:
     step_seconds: float = 0.0  # inside step()
     decode_seconds: float = 0.0  # inside llama_decode
     loop_seconds: float = 0.0  # the event loop's whole turn per step: hand-off, step, dispatch
+    adapter_switches: int = 0  # steps that set another LoRA adapter set on the context than the one before
 
 
 class Scheduler:
     def __init__(self, pool: KvPool, cache: PrefixCache, config: SchedulerConfig,
-                 embedder: Embedder | None = None) -> None:
+                 embedder: Embedder | None = None, spec: SpecConfig | None = None,
+                 lora: LoraAdapters | None = None) -> None:
         self.pool = pool
+        self.lora = lora  # the adapters requests may name (None: none loaded)
         self.embedder = embedder  # embedding jobs, one batch of them after each generation step
         self.cache = cache
         self.config = config
@@ -60,7 +66,10 @@ class Scheduler:
         self.kv = KvManager(pool, cache)
         self.ending = Ending(self.kv, self.queues)
         self.admission = Admission(self.kv, self.ending, config, self.queues)
-        self.planner = BatchPlanner(self.kv, self.ending, config, self.queues)
+        tree = getattr(cache, "tree", None)
+        self.speculator = Speculator(spec or SpecConfig(), TreeDrafter(tree) if tree is not None else None,
+                                     self.kv.can_cut)
+        self.planner = BatchPlanner(self.kv, self.ending, config, self.queues, self.speculator)
         self.sampling = Sampling(pool.ctx, config.max_seq_len)
         self._inbox: deque[Request] = deque()
         self._aborts: deque[tuple[str, str | None]] = deque()
@@ -71,6 +80,10 @@ class Scheduler:
     # -- called from any thread --------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
+        """Queue `request`; ValueError where it names an adapter that is not loaded."""
+        unknown = {name for name, _ in request.adapters} - set(self.lora.names if self.lora else ())
+        if unknown:
+            raise ValueError(f"no LoRA adapter loaded as {', '.join(sorted(unknown))}")
         self._inbox.append(request)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
@@ -137,6 +150,7 @@ class Scheduler:
             cache=self.kv.stats(),
             preemptions=self.preemptions,
             live_samplers=live_samplers(),
+            speculation={name: (s.drafts, s.drafted, s.accepted) for name, s in self.speculator.stats.items()},
         )
 
     def _take_inbox(self, outputs: StepOutputs) -> None:
@@ -155,6 +169,8 @@ class Scheduler:
         """Decode the planned batch, record what it evaluated, then sample where a sequence's known
         tokens end. False: it evaluated nothing."""
         self._batch.clear()
+        if self.lora is not None and self.lora.apply(self.pool.ctx, self.planner.adapters):
+            self.times.adapter_switches += 1
         # in sequence-id order: llama.cpp puts sequences into one ubatch only while their ids run
         # consecutively, and each ubatch more reads every weight again
         for slot in sorted(slots, key=lambda s: s.choice.session.seq):
@@ -163,8 +179,9 @@ class Scheduler:
             return False
         self.last_progress = time.monotonic()
         for slot in slots:
-            self.kv.commit(slot.choice, slot.n_tokens)
-            self.kv.checkpoint_if_at_mark(slot.request, slot.choice)
+            if not slot.draft:  # a draft's rows are kept once verified (`_sample`)
+                self.kv.commit(slot.choice, slot.n_tokens)
+                self.kv.checkpoint_if_at_mark(slot.request, slot.choice)
         for slot in slots:
             if slot.logits_index is not None:
                 self._sample(slot, outputs)
@@ -176,6 +193,7 @@ class Scheduler:
         started = time.perf_counter()
         try:
             self.pool.ctx.decode(self._batch)
+            self.speculator.cost.observe(self._batch.n_tokens, time.perf_counter() - started)
         except NoKvSlot:
             self.planner.shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry
             return False
@@ -190,9 +208,14 @@ class Scheduler:
         """The slot's sequence has evaluated all it knows: donate a finished prompt, let waiting
         siblings fork from it, then every one of them takes its next token."""
         request, choice = slot.request, slot.choice
-        self.kv.donate_evaluated_prompt(request, choice)
-        for each in (choice, *self.kv.fork_waiting_siblings(request, choice)):
-            self.sampling.take_token(request, each, slot.logits_index, outputs)
+        if slot.draft:
+            accepted = self.sampling.verify(request, choice, slot.logits_index, slot.draft, outputs)
+            self.kv.commit(choice, slot.n_tokens + accepted, slot.n_decoded)
+            self.speculator.record(choice.spec, slot.drafter, len(slot.draft), accepted)
+        else:
+            self.kv.donate_evaluated_prompt(request, choice)
+            for each in (choice, *self.kv.fork_waiting_siblings(request, choice)):
+                self.sampling.take_token(request, each, slot.logits_index, outputs)
         if request.state.finished:
             self.ending.end(request, None, outputs)
 

@@ -22,6 +22,8 @@ class EngineSnapshot:
     cache: CacheStats = field(default_factory=CacheStats)
     preemptions: int = 0
     live_samplers: int = 0  # native sampler chains not yet freed: 0 whenever no request is open
+    # per drafter: (verified drafts, drafted tokens, accepted tokens)
+    speculation: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

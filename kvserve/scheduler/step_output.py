@@ -33,12 +33,15 @@ class StepOutputs:
         """The request's last output: its usage, and the error (with its HTTP status) if it failed."""
         output = self._of(request)
         output.error, output.status = error, status
+        specs = [c.spec for c in request.state.choices if c.spec is not None]
         output.usage = Usage(
             prompt_tokens=len(request.prompt),
             completion_tokens=sum(c.n_generated for c in request.state.choices),
             cached_tokens=request.state.cached_tokens,
             queue_seconds=(request.state.admitted_at or time.monotonic()) - request.arrival,
             reasoning_tokens=sum(c.thinking.tokens for c in request.state.choices if c.thinking is not None),
+            accepted_prediction_tokens=sum(s.prediction_accepted for s in specs),
+            rejected_prediction_tokens=sum(s.prediction_rejected for s in specs),
         )
 
     def _of(self, request: Request) -> RequestOutput:

@@ -97,6 +97,18 @@ class _EngineCollector(Collector):
             "kvserve_preemptions", "Running requests sent back to the queue because llama.cpp found no KV slot",
             s.preemptions,
         )
+        drafts = CounterMetricFamily("kvserve_spec_drafts", "Drafts verified, by drafter", labels=["drafter"])
+        drafted = CounterMetricFamily("kvserve_spec_draft_tokens", "Draft tokens verified, by drafter", labels=["drafter"])
+        accepted = CounterMetricFamily(
+            "kvserve_spec_accepted_tokens", "Draft tokens the target accepted, by drafter (acceptance length: "
+            "accepted / drafts)", labels=["drafter"])
+        for name, (n_drafts, n_drafted, n_accepted) in s.speculation.items():
+            drafts.add_metric([name], n_drafts)
+            drafted.add_metric([name], n_drafted)
+            accepted.add_metric([name], n_accepted)
+        yield drafts
+        yield drafted
+        yield accepted
         yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", t.steps)
         yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", t.step_seconds)
         yield CounterMetricFamily("kvserve_engine_decode_seconds", "Time spent inside llama_decode", t.decode_seconds)

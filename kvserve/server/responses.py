@@ -31,7 +31,12 @@ def usage_body(usage: Usage) -> dict:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "completion_tokens_details": {
+            "reasoning_tokens": usage.reasoning_tokens,
+            # a `prediction`'s tokens, as speculative decoding verified them
+            "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens,
+        },
     }
 
 

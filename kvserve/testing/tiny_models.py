@@ -6,7 +6,9 @@ tokenize and chat-format exactly as with the production model, but the
 weights are a few blocks of seeded noise: a model loads and decodes in
 milliseconds. Three architectures cover llama.cpp's three memory kinds:
 "llama" (attention KV cache), "lfm2" (hybrid: short-conv state plus
-attention) and "mamba" (recurrent state only).
+attention) and "mamba" (recurrent state only); "gemma3" adds a sliding
+window (Gemma 3's layers: two of every three attend only the last
+TINY_SWA positions), so the window's edge is reached in a few dozen tokens.
 
 The tensor sets mirror what the pinned llama.cpp loader creates for each
 arch (src/llama-model.cpp); a missing or extra tensor fails the load with
@@ -24,7 +26,7 @@ calls, [TOOL_CALLS] a single control token too); two reasoning ones: "hermes-thi
 (gpt-oss's message frame, its <|channel|> and kin single control tokens).
 
 Public API: write_tiny_model(arch, path, seed, template) and the per-directory
-cache tiny_model(arch, directory, template), for arch in ARCHS and template in
+cache tiny_model(arch, directory, template), for arch in ARCHS or "gemma3" and template in
 TEMPLATES (or None).
 """
 
@@ -290,6 +292,34 @@ def _lfm2(w: gguf.GGUFWriter) -> list[TensorSpec]:
     return tensors
 
 
+TINY_SWA = 32  # the tiny gemma3's window, in positions
+
+
+def _post_norm(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    # Gemma normalizes each block's output before adding it, and scales the embedding by
+    # sqrt(n_embd): at unit scale the embedding outweighs every block and greedy repeats one token.
+    return np.full(shape, 16.0)
+
+
+def _gemma3(w: gguf.GGUFWriter) -> list[TensorSpec]:
+    n_layer, n_head_kv = 3, 2
+    _attention_hparams(w, n_layer, n_head_kv)
+    w.add_sliding_window(TINY_SWA)
+    w.add_uint32(f"{w.arch}.attention.sliding_window_pattern", 3)  # layers 0, 1 sliding; 2 global
+    tensors = _io_tensors("output_norm.weight")
+    for i in range(n_layer):
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", (N_EMBD,), _ones),
+            (f"blk.{i}.attn_q_norm.weight", (HEAD_DIM,), _ones),
+            (f"blk.{i}.attn_k_norm.weight", (HEAD_DIM,), _ones),
+            (f"blk.{i}.post_attention_norm.weight", (N_EMBD,), _post_norm),
+            (f"blk.{i}.post_ffw_norm.weight", (N_EMBD,), _post_norm),
+        ]
+        tensors += _attn_tensors(i, n_head_kv)
+        tensors += _ffn_tensors(i)
+    return tensors
+
+
 def _ssm_a(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     # Mamba stores A = -exp(A_log); it must be negative or the state blows up.
     # S4D-real init: in every channel, state n decays at rate n + 1.
@@ -333,8 +363,11 @@ _BUILDERS: dict[str, Callable[[gguf.GGUFWriter], list[TensorSpec]]] = {
     "llama": _llama,
     "lfm2": _lfm2,
     "mamba": _mamba,
+    "gemma3": _gemma3,
 }
-ARCHS: tuple[str, ...] = tuple(_BUILDERS)
+# One per llama.cpp memory kind: what the batching tests parametrize over. "gemma3" (a KV cache with
+# a sliding window) is written on request and tested where windows matter (tests/test_sliding_window.py).
+ARCHS: tuple[str, ...] = ("llama", "lfm2", "mamba")
 
 
 def _tensor_data(name: str, shape: tuple[int, ...], init: Init, rng: np.random.Generator) -> np.ndarray:
@@ -347,7 +380,7 @@ def write_tiny_model(arch: str, path: Path, seed: int = 0, template: str | None 
     """Write a tiny random-weight GGUF model of `arch` to `path` and return it; `template` names
     one of TEMPLATES to carry instead of SmolLM2's own."""
     if arch not in _BUILDERS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+        raise ValueError(f"unknown arch {arch!r}; expected one of {tuple(_BUILDERS)}")
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"tiny-{arch}")
     for key, value, vtype, sub_type in _tokenizer_with_template(template):

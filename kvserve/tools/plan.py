@@ -60,13 +60,6 @@ class ToolPlan:
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.format, (tool.name for tool in self.callable))
 
-    def read(self, text: str) -> ToolCallParser:
-        """A parser that has read the whole reply `text`."""
-        parser = self.parser()
-        parser.feed(text)
-        parser.finish()
-        return parser
-
 
 def check_tools(tools: list[FunctionTool], choice: ToolChoice) -> None:
     """Raises ToolError naming the field at fault."""

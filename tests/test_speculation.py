@@ -1,0 +1,252 @@
+"""Speculative decoding must not change results: each drafter on equals off, on real llama.cpp
+(SmolLM2), as tests/equality.py compares: the first token exactly, then each token's logprob within
+the measured tolerance up to a near-tie. Not strict token equality, even with `--flash-attn off`:
+a verified draft puts several rows of one sequence through the layers' matrix products, whose CPU
+kernels round otherwise than for one row (logprobs moved by up to 0.09 over 12 SmolLM2 tokens, and
+a near-tie flipped). The drafts must really be verified (the tests check that tokens were accepted
+and rejected), and a verifier that accepts one token too many or leaves rejected rows in a stream
+must fail them."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import engine, run, run_traced
+from equality import SMOLLM2_TOLERANCE, TOP, assert_like_alone
+from kvserve.llama.sampler import SamplingParams
+from kvserve.scheduler.kv_manager import KvManager
+from kvserve.scheduler.request import FinishReason, Request
+from kvserve.scheduler.sampling import Sampling
+from kvserve.scheduler.speculation import StepCost
+
+# Text that repeats (prompt lookup drafts well) and text that does not (drafts get rejected).
+PROMPTS = [
+    "apple, banana, cherry, date, elderberry, fig, grape, apple, banana, cherry, date, elderberry, fig,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Once upon a time, in a land far away, there lived a dragon who loved to read books about",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+]
+MAX_TOKENS = 20
+SMALL = dict(ctx_size=512, parallel=4, batch_size=256, threads=1)  # engines that load fast
+_ids = iter(range(10**9))
+
+
+def request(model, prompt: str, max_tokens: int = MAX_TOKENS, params: SamplingParams | None = None, **kw) -> Request:
+    return Request(id=f"s{next(_ids)}", prompt=model.tokenize(prompt, add_special=True),
+                   params=params or SamplingParams(temperature=0.0), max_tokens=max_tokens,
+                   logprobs=TOP, ignore_eos=True, **kw)
+
+
+def served(smollm2, mode: str, flash_attn: str, make, rounds: int = 1, **overrides):
+    """Each round's outputs for the requests `make(model)` builds, all submitted at once, and the
+    speculator's counts per drafter. `auto` is told that extra tokens cost a step almost nothing
+    (as where weights dominate), so that it drafts whatever is likely enough."""
+    with engine(smollm2, speculative=mode, flash_attn=flash_attn, **{**SMALL, **overrides}) as e:
+        e.scheduler.speculator.cost = _CheapTokens()
+        results = [run_traced(e, make(e.model)) for _ in range(rounds)]
+        stats = {name: (s.drafted, s.accepted) for name, s in e.scheduler.speculator.stats.items()}
+    return [list(r.values()) for r in results], stats
+
+
+class _CheapTokens(StepCost):
+    def __init__(self) -> None:
+        super().__init__(a=0.05, b=0.0001)
+
+    def observe(self, n_tokens: int, seconds: float, weight: float | None = None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode, flash_attn", [("ngram", "off"), ("auto", "on")])
+def test_speculation_equals_off(smollm2, mode: str, flash_attn: str) -> None:
+    make = lambda m: [request(m, p) for p in PROMPTS]  # noqa: E731
+    (off,), _ = served(smollm2, "off", flash_attn, make)
+    (on,), stats = served(smollm2, mode, flash_attn, make)
+    drafted, accepted = stats["ngram"]
+    assert 0 < accepted < drafted, "the test must verify drafts, accepted and rejected ones"
+    for alone, spec in zip(off, on):
+        assert_like_alone(alone, spec, SMOLLM2_TOLERANCE)
+
+
+def test_tree_drafts_what_followed_this_context_before(smollm2) -> None:
+    """A regenerated answer: the second round drafts the first round's continuation from the page tree."""
+    make = lambda m: [request(m, PROMPTS[2], max_tokens=30)]  # noqa: E731
+    (off,), _ = served(smollm2, "off", "off", make)
+    rounds, stats = served(smollm2, "tree", "off", make, rounds=2)
+    assert stats["tree"][1] >= 20, "the second round's answer is the stored continuation"
+    for result in rounds:
+        assert_like_alone(off[0], result[0], SMOLLM2_TOLERANCE)
+
+
+def test_prediction_drafts_and_is_counted(smollm2) -> None:
+    """OpenAI's Predicted Outputs: the predicted text drafts, and usage counts accepted and rejected tokens."""
+    with engine(smollm2, speculative="auto", flash_attn="off", **SMALL) as e:
+        plain = request(e.model, PROMPTS[1], max_tokens=24)
+        expected = run(e, [plain])[plain.id]
+        prediction = expected[:10] + e.model.tokenize(" something else entirely", add_special=False) + expected[14:]
+        predicted = request(e.model, PROMPTS[1], max_tokens=24, prediction=prediction)
+        e.scheduler.submit(predicted)
+        tokens, usage = [], None
+        while usage is None:
+            for output in e.scheduler.step():
+                tokens += sum((d.token_ids for d in output.deltas), [])
+                usage = output.usage
+    assert tokens == expected
+    assert usage.accepted_prediction_tokens >= 15
+    assert usage.rejected_prediction_tokens >= 1
+
+
+def test_sampled_output_follows_the_same_chain(smollm2) -> None:
+    """Temperature > 0, penalties and logit_bias, seeded: the chain draws once per emitted token from
+    the same logits (within rounding), so the same tokens come out until a draw lands within the
+    rounding of a boundary between two tokens; up to there, logprobs agree within the tolerance."""
+    def make(m):
+        return [request(m, p, params=SamplingParams(temperature=0.9, top_k=40, seed=seed, frequency_penalty=0.3,
+                                                    logit_bias={11: -2.0}))
+                for seed, p in enumerate(PROMPTS)]
+    (off,), _ = served(smollm2, "off", "off", make)
+    (on,), stats = served(smollm2, "ngram", "off", make)
+    assert stats["ngram"][1] > 0
+    same = 0
+    for alone, spec in zip(off, on):
+        assert spec[0].token == alone[0].token
+        for a, t in zip(alone, spec):
+            if a.token != t.token:
+                break
+            assert abs(a.logprob - t.logprob) <= SMOLLM2_TOLERANCE
+            same += 1
+    assert same >= len(off) * MAX_TOKENS // 2, "most sampled tokens are the same"
+
+
+def test_a_grammar_keeps_its_state(smollm2) -> None:
+    grammar = 'root ::= "[" item ("," item)* "]"\nitem ::= "\\"a\\"" | "\\"b\\"" | "\\"ab\\""'
+    make = lambda m: [request(m, 'A JSON list of strings: ["a","b","a","b","a","b",', max_tokens=40,  # noqa: E731
+                              params=SamplingParams(temperature=0.0, grammar=grammar))]
+    (off,), _ = served(smollm2, "off", "off", make)
+    (on,), stats = served(smollm2, "ngram", "off", make)
+    assert stats["ngram"][0] > 0
+    assert_like_alone(off[0], on[0], SMOLLM2_TOLERANCE)
+
+
+def test_stop_and_max_tokens_inside_an_accepted_run(smollm2) -> None:
+    """Nothing after a stop string or past max_tokens reaches the client, though drafts ran past them."""
+    def texts(mode):
+        with engine(smollm2, speculative=mode, flash_attn="off", **SMALL) as e:
+            out = {}
+            for stop, max_tokens in ((["cherry, date"], 60), ([], 23)):
+                r = request(e.model, PROMPTS[0], max_tokens=max_tokens, stop_strings=stop)
+                e.scheduler.submit(r)
+                text, tokens, reason, done = "", [], None, False
+                while not done:
+                    for output in e.scheduler.step():
+                        for d in output.deltas:
+                            text, tokens = text + d.text, tokens + d.token_ids
+                            reason = d.finish_reason or reason
+                        done = output.usage is not None
+                out[(tuple(stop), max_tokens)] = (text, tokens, reason)
+            stats = e.scheduler.speculator.stats.get("ngram")
+            return out, stats.accepted if stats else 0
+    off, _ = texts("off")
+    on, accepted = texts("ngram")
+    assert accepted > 0
+    for out in (off, on):
+        (text, _, reason), (_, tokens, length) = out[(("cherry, date",), 60)], out[((), 23)]
+        assert "cherry, date" not in text and reason is FinishReason.STOP
+        assert len(tokens) == 23 and length is FinishReason.LENGTH
+    assert on == off  # greedy on a repeating list: no near-tie here
+
+
+def test_positions_equal_the_accepted_length_after_every_step(smollm2) -> None:
+    """llama_memory_seq_pos_max of every running sequence is its session's length - 1 after each
+    step, drafts rejected or not; and an ended request's stream keeps only accepted tokens."""
+    with engine(smollm2, speculative="ngram", flash_attn="off", **SMALL) as e:
+        ctx = e.pool.ctx
+        for r in [request(e.model, p) for p in PROMPTS]:
+            e.scheduler.submit(r)
+        rejected_steps = 0
+        while e.scheduler.has_work():
+            before = e.scheduler.speculator.stats["ngram"].drafted - e.scheduler.speculator.stats["ngram"].accepted
+            e.scheduler.step()
+            rejected_steps += e.scheduler.speculator.stats["ngram"].drafted - e.scheduler.speculator.stats["ngram"].accepted > before
+            for req in e.scheduler.running:
+                for choice in req.state.choices:
+                    if choice.session is not None:
+                        assert ctx.seq_pos_max(choice.session.seq) == choice.session.n_past - 1
+                        assert choice.session.tokens == choice.tokens[: choice.session.n_past]
+        assert rejected_steps > 0
+        for stream in e.pool.streams:  # what each finished sequence donated and kept: accepted tokens only
+            assert ctx.seq_pos_max(stream.seq) == len(stream.resident) - 1
+
+
+def test_n_choices_and_a_cancel_mid_draft(smollm2) -> None:
+    with engine(smollm2, speculative="ngram", flash_attn="off", **SMALL) as e:
+        r = request(e.model, PROMPTS[0], max_tokens=40, n=3,
+                    params=SamplingParams(temperature=0.7, seed=5))
+        other = request(e.model, PROMPTS[3], max_tokens=200)
+        e.scheduler.submit(r)
+        e.scheduler.submit(other)
+        while e.scheduler.speculator.stats["ngram"].drafted == 0 or r in e.scheduler.running:
+            e.scheduler.step()
+        e.scheduler.abort(other.id)
+        e.scheduler.step()
+        assert not e.scheduler.running and e.pool.live_sessions == 0
+        for stream in e.pool.streams:
+            assert e.pool.ctx.seq_pos_max(stream.seq) == len(stream.resident) - 1
+
+
+@pytest.mark.parametrize("bug", ["one_too_many", "rows_left"])
+def test_a_wrong_verifier_fails_these_tests(smollm2, monkeypatch: pytest.MonkeyPatch, bug: str) -> None:
+    """Accepting one draft token too many, or leaving rejected rows in the stream, breaks equality
+    (or the decode)."""
+    if bug == "one_too_many":
+        real = Sampling.verify
+
+        def verify(self, request, choice, row, draft, outputs):
+            accepted = real(self, request, choice, row, draft, outputs)
+            if accepted < len(draft) and choice.finish_reason is None:
+                choice.tokens[-1] = draft[accepted]  # the rejected guess is taken as if accepted
+            return accepted
+        monkeypatch.setattr(Sampling, "verify", verify)
+    else:
+        real_commit = KvManager.commit
+        monkeypatch.setattr(KvManager, "commit", lambda self, choice, n, n_decoded=None: real_commit(self, choice, n))
+    make = lambda m: [request(m, p) for p in PROMPTS]  # noqa: E731
+    (off,), _ = served(smollm2, "off", "off", make)
+    with pytest.raises(AssertionError):
+        (on,), _ = served(smollm2, "ngram", "off", make)
+        for alone, spec in zip(off, on):
+            assert_like_alone(alone, spec, SMOLLM2_TOLERANCE)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "gemma3"])
+def test_no_speculation_where_rows_cannot_be_cut(tiny, arch: str) -> None:
+    """A recurrent state cannot be cut back, and a sliding window may have lost rows a rejected draft
+    displaced: speculation stays off there, and serving works as without it."""
+    with engine(tiny(arch), speculative="auto", ctx_size=256, parallel=2) as e:
+        assert not e.scheduler.speculator.enabled and not e.scheduler.speculator.describe()["drafters"]
+        r = Request(id="m", prompt=[1, 5, 6, 7, 5, 6, 7, 5, 6], params=SamplingParams(temperature=0.0), max_tokens=8,
+                    ignore_eos=True)
+        assert len(run(e, [r])["m"]) == 8
+
+
+def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:
+    """Chat's `prediction` drafts, usage reports it as OpenAI does, a malformed one is a 400 in
+    OpenAI's error shape, and /server_info states what speculation does."""
+    import httpx
+
+    from conftest import serve
+
+    with serve(smollm2, speculative="auto", **SMALL) as url:
+        info = httpx.get(f"{url}/server_info").json()["speculative"]
+        assert info["enabled"] and info["drafters"] == ["prediction", "tree", "ngram"]
+        body = {"messages": [{"role": "user", "content": "Say: the quick brown fox jumps over the lazy dog"}],
+                "max_tokens": 16, "temperature": 0}
+        plain = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+        text = plain["choices"][0]["message"]["content"]
+        predicted = httpx.post(f"{url}/v1/chat/completions", json={
+            **body, "prediction": {"type": "content", "content": [{"type": "text", "text": text}]}}, timeout=300).json()
+        details = predicted["usage"]["completion_tokens_details"]
+        assert predicted["choices"][0]["message"]["content"] == text
+        assert details["accepted_prediction_tokens"] > 0
+        assert plain["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+        bad = httpx.post(f"{url}/v1/chat/completions", json={**body, "prediction": {"type": "file"}}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
