@@ -44,8 +44,8 @@ def main() -> None:
         print(embeddings.main(args.quick, args.servers))
     else:
         suites = {"attention": attention, "host-tier": host_tier, "kv-types": kv_types, "lora": lora,
-                  "serving": serving, "prefix": prefix, "checkpoints": checkpoints, "soak": soak, "cache-view": cache_view,
-                  "speculative": speculative}
+                  "serving": serving, "prefix": prefix, "checkpoints": checkpoints, "soak": soak,
+                  "speculative": speculative, "cache-view": cache_view}
         print(suites[args.suite].main())
 
 
