@@ -206,3 +206,19 @@ def test_a_bad_lora_field_is_a_400_naming_it(url: str, lora: object) -> None:
     response = _chat(url, lora=lora)
     assert response.status_code == 400
     assert response.json()["error"]["param"].startswith("lora")
+
+
+def test_an_adapter_llama_cpp_cannot_load_is_one_line_and_exit_2(tmp_path: Path, tiny, adapters) -> None:
+    """Not a GGUF, and an adapter of another base model (the tiny llama's): refused before serving."""
+    import subprocess
+    import sys
+
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_text("not a gguf")
+    other_base = lora_adapter(tiny("llama"), tmp_path, seed=1)
+    for path, says in ((garbage, "invalid magic"), (other_base, "incorrect shape")):
+        done = subprocess.run([sys.executable, "-m", "kvserve", "--lora", f"A={adapters['A']}", "--lora", f"X={path}"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "could not load the adapter 'X'" in lines[0] and says in lines[0], done.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -25,6 +26,8 @@ from kvserve.llama.context import Context
 from kvserve.llama.model import Model
 
 AdapterSet = tuple[tuple[str, float], ...]
+# the lines of llama.cpp's log that say why an adapter did not load (it also dumps the file's metadata)
+_FAILURE = re.compile(r"invalid|error|failed|mismatch|expect|incorrect|not found", re.IGNORECASE)
 BASE: AdapterSet = ()
 
 
@@ -60,9 +63,9 @@ class LoraAdapters:
                 with log_lines() as said:
                     ptr = llama_cpp.llama_adapter_lora_init(model.ptr, str(path).encode())
                 if not ptr:
-                    why = next((line for line in reversed(said) if "error" in line.lower()), "")
+                    why = "; ".join(line.split(": ", 1)[-1].strip() for line in said if _FAILURE.search(line))
                     raise AdapterLoadError(f"llama.cpp could not load the adapter {name!r} from {path}"
-                                           + (f": {why.strip()}" if why else ""))
+                                           + (f" ({why})" if why else ""))
                 self._ptrs[name] = ptr
         except AdapterLoadError:
             self.close()

@@ -114,6 +114,9 @@ def preflight(settings: Settings) -> None:
     cannot load for the model."""
     if not is_quantized(settings.cache_type_v) and not settings.lora:
         return
+    llama_log = logging.getLogger("kvserve.llama")
+    level = llama_log.level
+    llama_log.setLevel(logging.CRITICAL)  # what llama.cpp says of a refusal is in the one line raised
     model = Model(settings.model)
     try:
         flash_attn_for(model, settings)
@@ -122,3 +125,4 @@ def preflight(settings: Settings) -> None:
         raise ValueError(str(exc)) from None
     finally:
         model.close()
+        llama_log.setLevel(level)
