@@ -1,5 +1,5 @@
 """python -m bench [compare|sweep|attention|host-tier|kv-types|lora|serving|prefix|checkpoints|soak|embeddings|
-speculative]: each writes JSON and Markdown to bench/results/.
+speculative|cache-view]: each writes JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
 kvserve next to llama-server over 1 to 32 users and prompts of 256 to 4,096 tokens; attention times
@@ -9,7 +9,8 @@ it; kv-types puts quantized KV caches beside f16 (bytes, decode time, drift); lo
 of LoRA adapter set between steps. The others are the earlier kvserve-only suites whose numbers
 docs/benchmarks.md quotes; soak serves thousands of requests and charts kvserve's resident memory;
 embeddings puts kvserve's /v1/embeddings per second next to llama-server's; speculative times
-decoding with each `--speculative` mode (and llama-server's where it is built).
+decoding with each `--speculative` mode (and llama-server's where it is built); cache-view times
+/v1/cache, /metrics and the /ui/cache page with 10,000 cached pages.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from __future__ import annotations
 import argparse
 
 from bench import (
-    attention, checkpoints, compare, embeddings, host_tier, kv_types, lora, prefix, serving, soak, speculative, sweep,
+    attention, cache_view, checkpoints, compare, embeddings, host_tier, kv_types, lora, prefix, serving, soak,
+    speculative, sweep,
 )
 
 WORKLOADS = ["shared", "multiturn", "unique", "long", "conversations"]
 SERVERS = ["kvserve", "llama-server", "llama-server-defaults", "llama-cpp-python"]
 SUITES = ["compare", "sweep", "attention", "host-tier", "kv-types", "lora", "serving", "prefix", "checkpoints", "soak",
-          "embeddings", "speculative"]
+          "embeddings", "speculative", "cache-view"]
 
 
 def main() -> None:
@@ -43,7 +45,7 @@ def main() -> None:
     else:
         suites = {"attention": attention, "host-tier": host_tier, "kv-types": kv_types, "lora": lora,
                   "serving": serving, "prefix": prefix, "checkpoints": checkpoints, "soak": soak,
-                  "speculative": speculative}
+                  "speculative": speculative, "cache-view": cache_view}
         print(suites[args.suite].main())
 
 
