@@ -1,27 +1,31 @@
-"""python -m bench [compare|sweep|attention|host-tier|kv-types|serving|prefix|checkpoints|soak|embeddings|
-speculative]: each writes JSON and Markdown to bench/results/.
+"""python -m bench [compare|sweep|attention|host-tier|kv-types|lora|serving|prefix|checkpoints|soak|embeddings|
+speculative|cache-view]: each writes JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
 kvserve next to llama-server over 1 to 32 users and prompts of 256 to 4,096 tokens; attention times
 raw llama_decode calls in a unified KV cache against a stream per sequence (kvserve's layout, and
 why it is); host-tier times copying a prefix's KV rows to host memory and back against prefilling
-it; kv-types puts quantized KV caches beside f16 (bytes, decode time, drift). The others are the
-earlier kvserve-only suites whose numbers docs/benchmarks.md quotes; soak serves thousands of
-requests and charts kvserve's resident memory; embeddings puts kvserve's /v1/embeddings per second
-next to llama-server's; speculative times decoding with each `--speculative` mode (and llama-server's
-where it is built).
+it; kv-types puts quantized KV caches beside f16 (bytes, decode time, drift); lora times a change
+of LoRA adapter set between steps. The others are the earlier kvserve-only suites whose numbers
+docs/benchmarks.md quotes; soak serves thousands of requests and charts kvserve's resident memory;
+embeddings puts kvserve's /v1/embeddings per second next to llama-server's; speculative times
+decoding with each `--speculative` mode (and llama-server's where it is built); cache-view times
+/v1/cache, /metrics and the /ui/cache page with 10,000 cached pages.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench import attention, checkpoints, compare, embeddings, host_tier, kv_types, prefix, serving, soak, speculative, sweep
+from bench import (
+    attention, cache_view, checkpoints, compare, embeddings, host_tier, kv_types, lora, prefix, serving, soak,
+    speculative, sweep,
+)
 
 WORKLOADS = ["shared", "multiturn", "unique", "long", "conversations"]
 SERVERS = ["kvserve", "llama-server", "llama-server-defaults", "llama-cpp-python"]
-SUITES = ["compare", "sweep", "attention", "host-tier", "kv-types", "serving", "prefix", "checkpoints", "soak", "embeddings",
-          "speculative"]
+SUITES = ["compare", "sweep", "attention", "host-tier", "kv-types", "lora", "serving", "prefix", "checkpoints", "soak",
+          "embeddings", "speculative", "cache-view"]
 
 
 def main() -> None:
@@ -39,9 +43,9 @@ def main() -> None:
     elif args.suite == "embeddings":
         print(embeddings.main(args.quick, args.servers))
     else:
-        suites = {"attention": attention, "host-tier": host_tier, "kv-types": kv_types, "serving": serving,
-                  "prefix": prefix, "checkpoints": checkpoints, "soak": soak,
-                  "speculative": speculative}
+        suites = {"attention": attention, "host-tier": host_tier, "kv-types": kv_types, "lora": lora,
+                  "serving": serving, "prefix": prefix, "checkpoints": checkpoints, "soak": soak,
+                  "speculative": speculative, "cache-view": cache_view}
         print(suites[args.suite].main())
 
 

@@ -25,11 +25,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvserve: {_one_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
 
-    from kvserve.scheduler.engine import check_flash_attn
+    from kvserve.scheduler.engine import preflight
     from kvserve.server.app import serve
 
     try:
-        check_flash_attn(settings)
+        preflight(settings)
     except ValueError as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -29,6 +30,17 @@ def default_budget_mb() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (4 * 1024 * 1024)
     except (ValueError, OSError):
         return 1024
+
+
+def parse_lora(item: str) -> tuple[str, Path]:
+    """`NAME=PATH` of `--lora`: a name clients may send as their model, and an existing file."""
+    name, sep, path = item.partition("=")
+    name = name.strip()
+    if not sep or not name or not path:
+        raise ValueError(f"{item!r}: expected NAME=PATH")
+    if not Path(path).is_file():
+        raise ValueError(f"adapter {name!r}: file not found: {path}")
+    return name, Path(path)
 
 
 class Settings(BaseSettings):
@@ -60,6 +72,11 @@ class Settings(BaseSettings):
     cache_type_v: KvType = Field(
         "f16", description="how the KV cache stores V rows; a quantized type (q8_0, q4_0 ...) needs flash attention"
     )
+    lora: list[str] = Field(
+        [], description="a LoRA adapter as NAME=PATH (repeat for more): requests pick it by \"model\": NAME, "
+        "or by llama-server's \"lora\": [{\"id\", \"scale\"}] (ids in the order given)"
+    )
+    lora_scale: float = Field(1.0, description="the scale of an adapter a request picks by its model name")
     pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="how /v1/embeddings pools a text's tokens (default: the model's own; mean where it declares none)"
     )
@@ -133,6 +150,21 @@ class Settings(BaseSettings):
             raise ValueError(f"--cache-type-v {self.cache_type_v} needs flash attention: not with --flash-attn off")
         return self
 
+    @field_validator("lora")
+    @classmethod
+    def _adapters(cls, value: list[str]) -> list[str]:
+        names = [name for name, _ in (parse_lora(item) for item in value)]
+        if len(set(names)) != len(names):
+            raise ValueError("an adapter name given twice")
+        return value
+
+    @field_validator("lora_scale")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
     @model_validator(mode="after")
     def _no_draft_model(self) -> "Settings":
         if self.speculative == "draft":
@@ -151,6 +183,10 @@ class Settings(BaseSettings):
     @property
     def served_name(self) -> str:
         return self.model_alias or self.model.stem
+
+    def lora_paths(self) -> dict[str, Path]:
+        """The adapters of `--lora`, by name, in the order given (a name's index is its llama-server id)."""
+        return dict(parse_lora(item) for item in self.lora)
 
     def api_keys(self) -> list[str]:
         """Every accepted key: --api-key and the lines of --api-key-file. Empty: no auth."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import attention, host_tier, kv_types, sweep, workloads
+from bench import attention, host_tier, kv_types, lora, sweep, workloads
 from bench import embeddings as bench_embeddings
 from bench.client import Result, stream_chat
 from bench.report import markdown, targets
@@ -309,3 +309,14 @@ def test_kv_types_reports_bytes_time_and_drift_per_type(smollm2: Path, tmp_path:
     assert rows["f16"]["host_bytes_per_token"] > rows["q8_0"]["host_bytes_per_token"] > rows["q4_0"]["host_bytes_per_token"]
     assert all(r["decode_ms_at_context"] > 0 for r in rows.values())
     assert "| q8_0 |" in (tmp_path / "kv_types.md").read_text()
+
+
+def test_lora_times_steps_with_and_without_a_switch(smollm2: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"SEQUENCES": 2, "PROMPT_TOKENS": 16, "STEPS": 2}.items():
+        monkeypatch.setattr(lora, name, value)
+    lora.main(smollm2, threads=1, out=tmp_path)
+    result = json.loads((tmp_path / "lora.json").read_text())
+    assert set(result["median_ms"]) == {"base", "same set", "switching"}
+    assert all(ms > 0 for ms in result["median_ms"].values())
+    assert "A switch of adapter set costs" in (tmp_path / "lora.md").read_text()

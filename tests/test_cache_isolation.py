@@ -136,6 +136,20 @@ def test_every_api_takes_a_cache_salt(url: str) -> None:
         assert cached(again.json()) > 48, path
 
 
+def test_a_stored_response_is_its_keys_alone(url: str) -> None:
+    """A kept response carries its conversation: another key may not read, continue or delete it."""
+    created = _post(url, KEY_A, "/v1/responses", {"model": "any", "input": SECRET, "max_output_tokens": 4})
+    assert created.status_code == 200, created.text
+    rid = created.json()["id"]
+    as_b = {"Authorization": f"Bearer {KEY_B}"}
+    assert httpx.get(f"{url}/v1/responses/{rid}", headers=as_b).status_code == 404
+    follow = _post(url, KEY_B, "/v1/responses", {"model": "any", "input": "And?", "previous_response_id": rid})
+    assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
+    assert httpx.delete(f"{url}/v1/responses/{rid}", headers=as_b).status_code == 404
+    as_a = {"Authorization": f"Bearer {KEY_A}"}
+    assert httpx.get(f"{url}/v1/responses/{rid}", headers=as_a).json()["id"] == rid
+
+
 @pytest.mark.parametrize("salt", [123, "", "x" * 257, ["a"]])
 def test_a_bad_cache_salt_is_a_400_naming_it(url: str, salt: object) -> None:
     chat = _post(url, KEY_A, "/v1/chat/completions", _chat("Where is Dune?", cache_salt=salt))

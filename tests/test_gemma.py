@@ -111,9 +111,8 @@ def test_cached_prefix_answers_as_llama_cpp_without_flash_attention(gemma3: Path
         cached = _served(url, prompts)
     with serve(gemma3, ctx_size=8192, batch_size=BATCH, prefix_cache=False) as url:
         alone = _served(url, prompts)
-    # No assertion on how much later requests attach: with a stream per sequence, pages of a
-    # sliding-window model that lack the window's rows before their end are refused (the prompt is
-    # evaluated instead), never guessed; what must hold, attached or not, is the equality below.
+    # The later prompts continue the first's stream in place (cut back to the shared prefix, whose
+    # window the stream still holds); what must hold, however much is kept, is the equality below.
     for i, (prompt, (on, hit), (off, _)) in enumerate(zip(prompts, cached, alone)):
         whole = _reference(gemma_model, prompt, 0)
         _assert_close(off, whole, LOGPROB_TOLERANCE, f"tail {i}, no prefix cache")
@@ -151,8 +150,11 @@ QUESTIONS = ("Which box holds the most marbles?", "How many keys are in the red 
              "Do green boxes hold more keys than blue ones?")
 SYSTEM_TOKENS = 1800  # over three windows of 512
 # cache on vs off, first token's top logprobs: a cached prefix (in place or attached) plus its tail is
-# evaluated in other shapes than the whole prompt; measured up to MEASURED below, set at about twice
-CONVERSATION_TOLERANCE = 0.25
+# evaluated in other shapes than the whole prompt, and Gemma 3 amplifies the rounding. Measured over
+# these 16 comparisons: at most 0.217; one near-tie flipped (the cache-off run's best two 0.009
+# apart, 'What' -1.095 and 'Item' -1.104), as the equality contract allows (tests/equality.py): the
+# first token is exact unless the cache-off run's best two are within twice the tolerance.
+CONVERSATION_TOLERANCE = 0.3
 
 
 def _system_prompt(model: Model) -> str:
@@ -183,6 +185,27 @@ def _together(url: str, conversations: list[list[dict[str, str]]]) -> list[tuple
         return list(pool.map(lambda messages: _first_token(url, messages), conversations))
 
 
+def _attached(served: list[tuple[dict[str, float], int]], prompts: list[list[int]], together: bool) -> list[float]:
+    """After the first, what each attached of what it shares with the others: one after another,
+    with those before it; together, with any other, and the first is whichever computed it."""
+    fractions = []
+    for i, (prompt, (_, hit)) in enumerate(zip(prompts, served)):
+        others = [q for j, q in enumerate(prompts) if j != i and (together or j < i)]
+        if others:
+            fractions.append(hit / max(common_prefix(prompt, q) for q in others))
+    return sorted(fractions)[1:] if together else fractions
+
+
+def _assert_near_tie_or_close(on: dict[str, float], off: dict[str, float], what: str) -> None:
+    """The first token as with the cache off, unless that run's best two are a near-tie and the cache
+    chose the other; the top logprobs within CONVERSATION_TOLERANCE either way."""
+    best, runner_up = list(off)[:2]
+    if next(iter(on)) == runner_up and off[best] - off[runner_up] <= 2 * CONVERSATION_TOLERANCE:
+        print(f"{what}: near-tie {best!r} {off[best]:.3f} / {runner_up!r} {off[runner_up]:.3f} flipped")
+        on = {best: on[best], **on}  # compare the rest as if the tie had gone the same way
+    _assert_close(on, off, CONVERSATION_TOLERANCE, what)
+
+
 @pytest.mark.slow
 def test_conversations_on_one_system_prompt_attach_it(gemma3: Path, gemma_model: Model) -> None:
     """8 conversations on one 1,800-token system prompt (over three windows): after the first, each
@@ -193,8 +216,7 @@ def test_conversations_on_one_system_prompt_attach_it(gemma3: Path, gemma_model:
     template = ChatTemplate.from_model(gemma_model)
     conversations = [_conversation(system, q) for q in QUESTIONS]
     prompts = [mark_messages(gemma_model, template, c).tokens for c in conversations]
-    shared = [max((common_prefix(p, q) for q in prompts[:i]), default=0) for i, p in enumerate(prompts)]
-    assert min(shared[1:]) > SYSTEM_TOKENS
+    assert min(common_prefix(prompts[0], q) for q in prompts[1:]) > SYSTEM_TOKENS
     options = dict(ctx_size=2560, batch_size=BATCH)
     with serve(gemma3, prefix_cache=False, **options) as url:
         alone = [_first_token(url, c) for c in conversations]
@@ -203,11 +225,15 @@ def test_conversations_on_one_system_prompt_attach_it(gemma3: Path, gemma_model:
     with serve(gemma3, **options) as url:
         at_once = _together(url, conversations)
         cache = httpx.get(f"{url}/v1/cache").json()
+    print(f"window rows kept: {cache['window_bytes']} bytes; held {cache['held_bytes']} of {cache['budget_bytes']}")
     for name, served in (("one after another", in_turn), ("together", at_once)):
-        attached = [hit / share for (_, hit), share in zip(served[1:], shared[1:])]
-        print(f"{name}: attached {[f'{a:.1%}' for a in attached]} of the shared prefix")
+        attached = _attached(served, prompts, together=served is at_once)
+        drift = [max(abs(on[t] - off[t]) for t in set(on) & set(off)) for (on, _), (off, _) in zip(served, alone)]
+        print(f"{name}: attached {[f'{a:.1%}' for a in attached]} of the shared prefix; "
+              f"top-{TOP} logprobs vs cache off at most {[f'{d:.3f}' for d in drift]}")
+    for name, served in (("one after another", in_turn), ("together", at_once)):
+        attached = _attached(served, prompts, together=served is at_once)
         assert min(attached) >= 0.9, (name, attached)
         for i, ((on, _), (off, _)) in enumerate(zip(served, alone)):
-            _assert_close(on, off, CONVERSATION_TOLERANCE, f"{name}, conversation {i}")
-    print(f"window rows kept: {cache['window_bytes']} bytes; held {cache['held_bytes']} of {cache['budget_bytes']}")
+            _assert_near_tie_or_close(on, off, f"{name}, conversation {i}")
     assert 0 < cache["window_bytes"] and cache["held_bytes"] <= cache["budget_bytes"]

@@ -17,7 +17,7 @@ from conftest import engine, greedy, run, served
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context, DecodeError
 from kvserve.scheduler.request import RequestOutput
-from kvserve.testing import wait_until
+from kvserve.testing import read_metrics, wait_until
 from test_openai_api import assert_openai_error
 
 LONG = {"prompt": "hi", "max_tokens": 1500, "ignore_eos": True}  # runs for a while on the tiny model
@@ -112,8 +112,13 @@ def hung_up(app: FastAPI) -> None:
     wait_until(lambda: app.state.engine.async_engine.in_flight == 0, 30, "the server noticing the hang-up")
 
 
+def aborted(url: str) -> float:
+    return read_metrics(url).value("kvserve_request_success_total", finish_reason="abort")
+
+
 def test_non_streamed_client_that_times_out_frees_its_sequence(server, hold) -> None:
     url, app = server
+    before = aborted(url)
     held = hold(app.state.engine.pool.ctx)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=LONG, timeout=0.5)
@@ -121,12 +126,14 @@ def test_non_streamed_client_that_times_out_frees_its_sequence(server, hold) -> 
     held.release()
     assert engine_idle(app) and held.decodes < LONG["max_tokens"], "the abandoned request kept running"
     assert app.state.engine.pool.sessions == []
+    assert aborted(url) == before + 1  # counted as what it was: aborted by its client
 
 
 def test_openai_stream_that_times_out_frees_its_sequence(server, hold) -> None:
     """The engine stalls mid-stream (decodes after the fifth are held); the client's read timeout
     fires, it hangs up, and the sequence is freed one step after the engine moves again."""
     url, app = server
+    before = aborted(url)
     held = hold(app.state.engine.pool.ctx, after=5)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=0.5)
     chunks = 0
@@ -139,6 +146,7 @@ def test_openai_stream_that_times_out_frees_its_sequence(server, hold) -> None:
     held.release()
     assert engine_idle(app) and held.decodes < LONG["max_tokens"], "the abandoned stream kept running"
     assert app.state.engine.pool.sessions == []
+    wait_until(lambda: aborted(url) == before + 1, 30, "the abandoned stream counted as aborted")
 
 
 def fail_next_decode(monkeypatch: pytest.MonkeyPatch, ctx: Context) -> None:

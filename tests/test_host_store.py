@@ -29,6 +29,21 @@ def test_put_get_and_account_bytes() -> None:
     assert (stats.bytes, stats.entries, stats.evictions, stats.budget_bytes) == (30, 1, 0, 100)
 
 
+def test_replace_grows_a_locked_entry_within_the_budget() -> None:
+    """A page that gains its window's rows: others make room, or nothing changes."""
+    evicted: list[str] = []
+    store: HostStore[str, bytes] = HostStore(100, on_evict=evicted.append)
+    store.put("page", b"." * 30, lock=True)
+    store.put("other", b"." * 40)
+    with pytest.raises(ValueError, match="locked"):
+        store.replace("other", b"." * 10)
+    assert store.replace("page", b"." * 50) and evicted == [] and store.bytes_used == 90
+    assert store.replace("page", b"." * 70) and evicted == ["other"] and store.bytes_used == 70
+    assert not store.replace("page", b"." * 101) and store.peek("page") == b"." * 70
+    store.unlock("page")
+    assert store.evict(70) == 70 and store.bytes_used == 0  # the lock counted the grown size
+
+
 def test_evicts_cold_before_hot_then_least_recently_used() -> None:
     evicted: list[str] = []
     store: HostStore[str, bytes] = HostStore(40, on_evict=evicted.append)

@@ -103,8 +103,8 @@ def test_quantized_v_without_flash_attention_is_refused(monkeypatch: pytest.Monk
     off = FlashAttnChoice(False, "self-check failed: its few-row path disagrees")
     monkeypatch.setattr(engine_module, "choose_flash_attn", lambda *args: off)
     with pytest.raises(ValueError, match="--cache-type-v q8_0 needs flash attention, which is off: self-check failed"):
-        engine_module.check_flash_attn(settings(smollm2, cache_type_v="q8_0"))
-    engine_module.check_flash_attn(settings(smollm2, cache_type_k="q8_0"))  # a quantized K alone needs nothing
+        engine_module.preflight(settings(smollm2, cache_type_v="q8_0"))
+    engine_module.preflight(settings(smollm2, cache_type_k="q8_0"))  # a quantized K alone needs nothing
 
 
 def test_quantized_v_with_flash_attn_off_exits_2_with_one_line() -> None:

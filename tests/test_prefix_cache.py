@@ -279,6 +279,34 @@ def test_pages_go_least_recently_used_first(tiny) -> None:
     model.close()
 
 
+def test_each_namespace_is_a_tree_of_its_own_kept_while_it_has_pages(tiny) -> None:
+    """The same prompt under two namespaces is two chains, stored twice; eviction and release take
+    a namespace's root with its last page; attach refuses a key of another namespace."""
+    model = Model(tiny("llama"))
+    prompt = model.tokenize(SYSTEM, add_special=True)
+    pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, budget_bytes=1 << 30)
+    for namespace in ("tenant:a", "tenant:b"):
+        session = pool.new_session(PrefixKey(namespace))
+        pool.eval(session, prompt)
+        cache.insert(session, session.tokens)
+        pool.end_session(session)
+    one = cache.bytes_used // 2
+    assert set(cache.tree.roots) == cache.namespaces() == {"tenant:a", "tenant:b"}
+    assert cache.held_pages == 2 * (len(prompt) // PAGE) and cache.match_len(PrefixKey("", prompt)) == 0
+    assert [len(cache.view(ns)["chains"]) for ns in ("tenant:a", "tenant:b", "")] == [1, 1, 0]
+    assert cache.view("tenant:a")["held_bytes"] == one
+    reader = pool.new_session(PrefixKey("tenant:b"))
+    with pytest.raises(ValueError):
+        cache.attach(reader, PrefixKey("tenant:a", prompt))
+    pool.end_session(reader)
+    cache.store.evict(one)  # one namespace's worth: the least recently used tree goes, root and all
+    assert set(cache.tree.roots) == {"tenant:b"} and cache.match_len(PrefixKey("tenant:a", prompt)) == 0
+    cache.release()
+    assert not cache.tree.roots and cache.tree.n_nodes == 0
+    pool.close()
+    model.close()
+
+
 def test_cold_pages_go_before_hot_ones(tiny) -> None:
     """Pages no attach has hit (cold) go before pages that were reused, however long ago those were used."""
     model = Model(tiny("llama"))

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import serve, served
 from kvserve.reply import ReasoningFormat
+from kvserve.testing import read_metrics
 from kvserve.testing.tiny_models import TEMPLATES
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -208,6 +209,19 @@ def test_one_clean_call_after_the_thinking_in_chat(url: str, choice: str) -> Non
     assert [h["function"]["name"] for h in heads] == ["get_weather"]
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_reply_that_may_open_its_own_thinking_calls_at_once(url: str, choice: str) -> None:
+    """enable_thinking false: the prompt closed the block, so the reply might open one itself or
+    not; the grammar allows either, and this one calls at once."""
+    fields = dict(tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False, max_tokens=120,
+                  chat_template_kwargs={"enable_thinking": False})
+    if choice == "auto":
+        fields["logit_bias"] = {str(MARKER): 100}
+    message = chat(url, **fields)["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert "reasoning_content" not in message
+
+
 def test_a_call_after_thinking_in_responses_and_messages(url: str) -> None:
     tool = WEATHER["function"]
     response = httpx.post(f"{url}/v1/responses", json={
@@ -222,6 +236,18 @@ def test_a_call_after_thinking_in_responses_and_messages(url: str) -> None:
         "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}}, timeout=300).json()
     assert [block["type"] for block in message["content"]] == ["thinking", "tool_use"]
     assert message["stop_reason"] == "tool_use"
+
+
+def test_a_forced_close_is_the_same_under_speculation(tiny, url: str) -> None:
+    """Drafts verified token by token: a forced close is one more token the chain accepts, so a
+    speculating server gives the very reply a plain one gives."""
+    plain = chat(url, max_tokens=60)
+    with serve(tiny("llama", "hermes-think"), threads=1, speculative="ngram") as spec_url:
+        speculated = chat(spec_url, max_tokens=60)
+        drafted = read_metrics(spec_url).total("kvserve_spec_draft_tokens_total")
+    assert drafted > 0  # the random model repeats itself: drafts were verified
+    assert speculated["choices"] == plain["choices"]
+    assert speculated["usage"]["completion_tokens_details"] == plain["usage"]["completion_tokens_details"]
 
 
 # --- detection ------------------------------------------------------------------------------------------

@@ -65,3 +65,11 @@ def test_delete_and_replace_keep_the_byte_count() -> None:
 def test_zero_count_keeps_nothing() -> None:
     store = ResponseStore(max_count=0, max_bytes=1 << 20, ttl=60)
     assert not store.put(body("a"), items("a")) and store.get("a") is None
+
+
+def test_a_response_is_its_owners_alone() -> None:
+    store = ResponseStore(max_count=10, max_bytes=1 << 20, ttl=60, clock=Clock())
+    assert store.put(body("r"), items("secret"), owner="key-a")
+    assert store.get("r", "key-b") is None and store.get("r") is None
+    assert not store.delete("r", "key-b") and store.get("r", "key-a").context == items("secret")
+    assert store.delete("r", "key-a") and len(store) == 0

@@ -63,9 +63,26 @@ def test_restored_checkpoint_equals_scratch_by_hand(tiny, arch: str) -> None:
     model.close()
 
 
-def test_checkpoints_stay_in_their_namespace(tiny) -> None:
+def _tokens_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug the namespace test must catch: a checkpoint matched on its tokens, whoever saved it."""
+    real = StateCache._match
+    monkeypatch.setattr(StateCache, "_match", lambda self, key: next(
+        (c for c in (real(self, PrefixKey(c.namespace, key.tokens)) for c in self.checkpoints) if c), None))
+
+
+@pytest.mark.parametrize("mutant", [None, _tokens_alone])
+def test_checkpoints_stay_in_their_namespace(tiny, monkeypatch: pytest.MonkeyPatch, mutant) -> None:
+    if mutant is None:
+        _checkpoints_stay_in_their_namespace(tiny("lfm2"))
+        return
+    mutant(monkeypatch)
+    with pytest.raises(AssertionError):
+        _checkpoints_stay_in_their_namespace(tiny("lfm2"))
+
+
+def _checkpoints_stay_in_their_namespace(path) -> None:
     """A checkpoint (and the stream it was taken in) serves only keys of its own namespace."""
-    model = Model(tiny("lfm2"))
+    model = Model(path)
     pool, cache = create_kv_pool(model, 16, n_ctx_seq=512, n_streams=2, max_states=4, budget_bytes=1 << 20)
     chat = create_chat_renderer(model, SYSTEM)
     add_user(chat, "Where is parcel 17?")

@@ -140,6 +140,11 @@ class HostStore(Generic[K, V]):
         entry = self._entries.get(key)
         return None if entry is None else entry.value
 
+    def size(self, key: K) -> int:
+        """The bytes `key`'s value takes (0 when absent); changes nothing."""
+        entry = self._entries.get(key)
+        return 0 if entry is None else entry.nbytes
+
     def touch(self, key: K) -> None:
         """Count a use of `key` for recency, not as a hit."""
         self._touch(key, self._entries[key])

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
-from kvserve.cache.host_store import HostStore, size_of
+from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.page_tree import PageNode, PageTree
 from kvserve.cache.prefix_cache import PrefixCache
@@ -56,7 +56,7 @@ class Chain:
             "id": self.id,
             "tokens": len(self.path) * page_rows,
             "pages_alive": len(alive),
-            "bytes": sum(size_of(page) for page in map(store.peek, alive) if page is not None),
+            "bytes": sum(map(store.size, alive)),
             "hits": self.hits,
             "preview": self.preview,
         }
@@ -281,7 +281,7 @@ class PageCache(PrefixCache):
         """The chains of `namespace` and the pages and bytes they hold; the budget is everyone's."""
         nodes = self.tree.leaves_first(namespace)
         return {"enabled": True, "held_pages": len(nodes),
-                "held_bytes": sum(size_of(self.store.peek(node)) for node in nodes),
+                "held_bytes": sum(map(self.store.size, nodes)),
                 "budget_bytes": self.store.budget_bytes, "window_bytes": self.window_bytes(namespace),
                 "chains": [chain.snapshot(self.page_rows, self.store) for chain in self.chains.values()
                            if chain.namespace == namespace]}

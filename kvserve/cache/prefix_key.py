@@ -19,6 +19,8 @@ SHARED = ""
 
 @dataclass(frozen=True)
 class PrefixKey:
+    """A prompt as the cache looks it up: its tokens under its namespace (an empty key: a namespace alone)."""
+
     namespace: str
     tokens: list[int] = field(default_factory=list)
 

@@ -11,6 +11,9 @@ Invariants:
   that many prompt tokens, so a running stream's next token waits for one short step, never a long
   prefill (stall-free batching, as Sarathi-Serve's);
 - choice 0's prefill stops at each of its request's checkpoints, where a recurrent state can be saved;
+- a step runs under one LoRA adapter set (llama.cpp applies adapters to the whole context), so it
+  carries the sequences of one set only: of the sets with work, the one served least recently (ties:
+  the set of the earliest admitted request), so with k sets each gets at least every k-th step;
 - a step is one `llama_decode`: each sequence has its own stream, and llama.cpp splits the batch
   into per-stream ubatches itself, so a decode token never attends over another sequence's cells;
   the scheduler adds a step's tokens in sequence-id order, for llama.cpp keeps sequences in one
@@ -22,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.llama.batch import Batch
+from kvserve.llama.lora import BASE, AdapterSet
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.ending import Ending
 from kvserve.scheduler.kv_manager import KvManager
@@ -70,11 +74,17 @@ class BatchPlanner:
         self.queues = queues
         self.speculator = speculator
         self.preemptions = 0
+        self.adapters: AdapterSet = BASE  # the adapter set of the last planned step
+        self._served: dict[AdapterSet, int] = {}  # the step at which each set was last served
+        self._steps = 0
 
     def plan(self, outputs: StepOutputs) -> list[Slot]:
-        """The step's `llama_decode`: decode tokens and their drafts first, then prompt chunks, within
-        budget; a sequence with no room left in its stream ends with `length`."""
+        """The step's `llama_decode`: one adapter set's decode tokens and their drafts first, then its
+        prompt chunks, within budget; a sequence with no room left in its stream ends with `length`."""
         decoding, prefilling = self._resident_slots(outputs)
+        self.adapters = self._next_adapters([s.request for s in decoding + prefilling])
+        decoding = [s for s in decoding if s.request.adapters == self.adapters]
+        prefilling = [s for s in prefilling if s.request.adapters == self.adapters]
         if decoding and self.speculator is not None and self.speculator.enabled:
             waiting = sum(slot.choice.unevaluated for slot in prefilling)
             self._draft(decoding, min(waiting, self._prefill_budget(len(decoding))))
@@ -100,6 +110,18 @@ class BatchPlanner:
             draft = draft[: max(spare, 0)]
             slot.draft, slot.drafter = draft, drafter
             spare -= len(draft)
+
+    def _next_adapters(self, requests: list[Request]) -> AdapterSet:
+        """Of the adapter sets with work, the one served least recently (first come on a tie)."""
+        self._steps += 1
+        sets = list(dict.fromkeys(r.adapters for r in requests))  # in admission order
+        if len(sets) <= 1:
+            chosen = sets[0] if sets else self.adapters
+        else:
+            chosen = min(sets, key=lambda a: self._served.get(a, -1))
+        self._served = {a: self._served.get(a, -1) for a in sets}  # forget sets without work
+        self._served[chosen] = self._steps
+        return chosen
 
     def shed_load(self, outputs: StepOutputs) -> None:
         """llama.cpp found no room: the newest request gives its sequences back (donating what it

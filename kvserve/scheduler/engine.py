@@ -12,6 +12,7 @@ from kvserve.config import Settings
 from kvserve.llama.attention_check import FlashAttnChoice, choose_flash_attn
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.kv_types import KvType, is_quantized
+from kvserve.llama.lora import AdapterLoadError, LoraAdapters
 from kvserve.llama.model import Model
 from kvserve.reply import ReasoningFormat, resolve_format
 from kvserve.scheduler.async_engine import AsyncEngine
@@ -35,6 +36,7 @@ class Engine:
     async_engine: AsyncEngine
     attention: FlashAttnChoice  # flash attention on or off, and why (/server_info reports it)
     reasoning: ReasoningFormat = ReasoningFormat.NONE  # how replies carry thinking
+    lora: LoraAdapters | None = None  # the --lora adapters requests may pick (None: none given)
 
     @property
     def embedder(self) -> Embedder:
@@ -48,6 +50,7 @@ class Engine:
     def load(cls, settings: Settings) -> "Engine":
         model = Model(settings.model)
         attention = flash_attn_for(model, settings)
+        lora = LoraAdapters(model, settings.lora_paths()) if settings.lora else None
         # a stream of --ctx-size cells per running sequence: llama.cpp's n_ctx is their sum
         pool, cache = create_kv_pool(
             model, settings.page_rows, n_ctx_seq=settings.ctx_size, n_streams=settings.parallel,
@@ -70,7 +73,7 @@ class Engine:
             pooling=settings.pooling or model_pooling(model), batch_tokens=min(settings.embedding_batch, config.max_seq_len),
             n_threads=settings.threads, queue_timeout=settings.queue_timeout))
         spec = SpecConfig(SpecMode(settings.speculative), settings.draft_max)
-        scheduler = Scheduler(pool, cache, config, embedder, spec)
+        scheduler = Scheduler(pool, cache, config, embedder, spec, lora)
         if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:
             _log.warning("speculative decoding is off: this model's KV rows cannot be cut back "
                          "(a recurrent state or a sliding window)")
@@ -78,7 +81,8 @@ class Engine:
         template = ChatTemplate.from_model(model, settings.chat_template_file)
         reasoning = resolve_format(settings.reasoning_format, template.source, model.is_one_token)
         _log.info("reasoning format: %s", reasoning.value)
-        return cls(settings, model, template, pool, cache, scheduler, async_engine, attention, reasoning)
+        return cls(settings, model, template, pool, cache, scheduler, async_engine, attention, reasoning,
+                   lora)
 
     def close(self) -> None:
         """Release the cache, then the contexts, then the model (the reverse of `load`)."""
@@ -86,6 +90,8 @@ class Engine:
         self.cache.release()
         self.pool.close()
         self.embedder.close()
+        if self.lora is not None:
+            self.lora.close()
         self.model.close()
 
 
@@ -102,11 +108,21 @@ def flash_attn_for(model: Model, settings: Settings) -> FlashAttnChoice:
     return attention
 
 
-def check_flash_attn(settings: Settings) -> None:
-    """`flash_attn_for`'s refusal before the server starts (the check's verdict is kept for `Engine.load`)."""
-    if is_quantized(settings.cache_type_v):
-        model = Model(settings.model)
-        try:
-            flash_attn_for(model, settings)
-        finally:
-            model.close()
+def preflight(settings: Settings) -> None:
+    """What `Engine.load` would refuse, refused before the server starts, as a ValueError: a quantized
+    V without flash attention (the check's verdict is kept for `Engine.load`), an adapter llama.cpp
+    cannot load for the model."""
+    if not is_quantized(settings.cache_type_v) and not settings.lora:
+        return
+    llama_log = logging.getLogger("kvserve.llama")
+    level = llama_log.level
+    llama_log.setLevel(logging.CRITICAL)  # what llama.cpp says of a refusal is in the one line raised
+    model = Model(settings.model)
+    try:
+        flash_attn_for(model, settings)
+        LoraAdapters(model, settings.lora_paths()).close()
+    except AdapterLoadError as exc:
+        raise ValueError(str(exc)) from None
+    finally:
+        model.close()
+        llama_log.setLevel(level)

@@ -11,6 +11,7 @@ from kvserve.cache.chat_marks import Mark, MarkKind
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.detokenizer import Detokenizer
+from kvserve.llama.lora import BASE, AdapterSet
 from kvserve.llama.sampler import Sampler, SamplingParams, TokenLogprobs
 from kvserve.scheduler.stop_strings import StopMatcher
 from kvserve.scheduler.thinking import ThinkingLimit, ThinkingWatch
@@ -57,8 +58,13 @@ class Request:
     namespace: str = ""  # whose cached rows it may use and adds to ("": the shared default; see server/namespace.py)
     thinking: ThinkingLimit | None = None  # a reply that thinks first: watched, and closed at its budget
     prediction: list[int] = field(default_factory=list)  # OpenAI's Predicted Outputs, tokenized: a draft
+    adapters: AdapterSet = BASE  # the LoRA adapters its steps run under (canonical; part of its namespace)
     arrival: float = field(default_factory=time.monotonic)
     state: RequestState = field(default_factory=RequestState, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.adapters and "lora:" not in self.namespace:
+            raise ValueError("a request under LoRA adapters needs a namespace that names them (request_namespace)")
 
     @property
     def key(self) -> PrefixKey:

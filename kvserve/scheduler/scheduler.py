@@ -22,6 +22,7 @@ from kvserve.cache.kv_pool import KvPool
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import DecodeError, NoKvSlot
+from kvserve.llama.lora import LoraAdapters
 from kvserve.llama.sampler import live_samplers
 from kvserve.scheduler.admission import Admission
 from kvserve.scheduler.batch_plan import BatchPlanner, Slot
@@ -48,12 +49,15 @@ class StepTimes:
     step_seconds: float = 0.0  # inside step()
     decode_seconds: float = 0.0  # inside llama_decode
     loop_seconds: float = 0.0  # the event loop's whole turn per step: hand-off, step, dispatch
+    adapter_switches: int = 0  # steps that set another LoRA adapter set on the context than the one before
 
 
 class Scheduler:
     def __init__(self, pool: KvPool, cache: PrefixCache, config: SchedulerConfig,
-                 embedder: Embedder | None = None, spec: SpecConfig | None = None) -> None:
+                 embedder: Embedder | None = None, spec: SpecConfig | None = None,
+                 lora: LoraAdapters | None = None) -> None:
         self.pool = pool
+        self.lora = lora  # the adapters requests may name (None: none loaded)
         self.embedder = embedder  # embedding jobs, one batch of them after each generation step
         self.cache = cache
         self.config = config
@@ -76,6 +80,10 @@ class Scheduler:
     # -- called from any thread --------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
+        """Queue `request`; ValueError where it names an adapter that is not loaded."""
+        unknown = {name for name, _ in request.adapters} - set(self.lora.names if self.lora else ())
+        if unknown:
+            raise ValueError(f"no LoRA adapter loaded as {', '.join(sorted(unknown))}")
         self._inbox.append(request)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
@@ -161,6 +169,8 @@ class Scheduler:
         """Decode the planned batch, record what it evaluated, then sample where a sequence's known
         tokens end. False: it evaluated nothing."""
         self._batch.clear()
+        if self.lora is not None and self.lora.apply(self.pool.ctx, self.planner.adapters):
+            self.times.adapter_switches += 1
         # in sequence-id order: llama.cpp puts sequences into one ubatch only while their ids run
         # consecutively, and each ubatch more reads every weight again
         for slot in sorted(slots, key=lambda s: s.choice.session.seq):

@@ -64,16 +64,11 @@ async def metrics(request: Request) -> Response:
 @api.get("/models")
 async def models(request: Request) -> dict:
     engine = _engine(request)
-    return {
-        "object": "list",
-        "data": [{
-            "id": engine.settings.served_name,
-            "object": "model",
-            "created": request.app.state.started,
-            "owned_by": "kvserve",
-            "max_model_len": engine.max_seq_len,
-        }],
-    }
+    base = {"object": "model", "created": request.app.state.started, "owned_by": "kvserve",
+            "max_model_len": engine.max_seq_len}
+    adapters = [{"id": name, **base, "root": str(path), "parent": engine.settings.served_name}
+                for name, path in engine.settings.lora_paths().items()]  # vLLM lists its adapters so
+    return {"object": "list", "data": [{"id": engine.settings.served_name, **base}, *adapters]}
 
 
 @api.post("/v1/chat/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
@@ -81,7 +76,7 @@ async def models(request: Request) -> dict:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = _engine(request)
     job, reply = await prompts.chat_job(engine, body, tenant=tenant_of(request))
-    shape = Shape(True, engine.settings.served_name, job, reply=reply)
+    shape = Shape(True, prompts.served_model(engine, body), job, reply=reply)
     return await respond(request, engine, job, _answer(engine, shape, body.stream, body.stream_options))
 
 
@@ -92,8 +87,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompt = await asyncio.to_thread(prompts.completion_prompt, engine.model, body)
     params = prompts.sampling_params(engine.model, body, None)
     job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl", "prompt",
-                                tenant=tenant_of(request))
-    return await respond(request, engine, job, _answer(engine, Shape(False, engine.settings.served_name, job),
+                                tenant=tenant_of(request), adapters=prompts.adapters_for(engine, body))
+    return await respond(request, engine, job, _answer(engine, Shape(False, prompts.served_model(engine, body), job),
                                                         body.stream, body.stream_options))
 
 

@@ -3,7 +3,8 @@ needs one, as `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <k
 
 Under `--cache-isolation key` each key is a tenant: the request's `state.tenant` is the key's id (a
 digest, never the key), which puts its cached rows in a namespace of their own. Otherwise, and
-without keys, it is None: the shared namespace."""
+without keys, it is None: the shared namespace. Whatever the isolation, `state.owner` is the key's id
+(None without keys): what a key stores (kept responses) only that key reads back."""
 
 from __future__ import annotations
 
@@ -22,17 +23,18 @@ class Keys:
     """The accepted keys as the bearer values compared, and the tenant each stands for (None: shared)."""
 
     bearers: list[bytes]
-    tenants: list[str | None]
+    owners: list[str]  # each key's id (a digest)
+    isolate: bool
 
     @classmethod
     def of(cls, keys: list[str], isolate: bool) -> "Keys":
-        return cls([f"Bearer {key}".encode() for key in keys], [tenant_id(key) if isolate else None for key in keys])
+        return cls([f"Bearer {key}".encode() for key in keys], [tenant_id(key) for key in keys], isolate)
 
 
 def require_key(request: Request) -> None:
-    """A 401 without an accepted key; with one, `request.state.tenant` is its tenant."""
+    """A 401 without an accepted key; with one, `request.state.owner` is its id and `.tenant` its tenant."""
     keys: Keys = request.app.state.api_keys
-    request.state.tenant = None
+    request.state.tenant = request.state.owner = None
     if not keys.bearers:
         return
     given = [request.headers.get("authorization", "").encode()]
@@ -46,9 +48,15 @@ def require_key(request: Request) -> None:
                 matched = index
     if matched is None:
         raise APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
-    request.state.tenant = keys.tenants[matched]
+    request.state.owner = keys.owners[matched]
+    request.state.tenant = keys.owners[matched] if keys.isolate else None
 
 
 def tenant_of(request: Request) -> str | None:
     """The caller's tenant, as `require_key` found it (None: the shared namespace)."""
     return getattr(request.state, "tenant", None)
+
+
+def owner_of(request: Request) -> str | None:
+    """The id of the caller's key, as `require_key` found it (None: the server has no keys)."""
+    return getattr(request.state, "owner", None)

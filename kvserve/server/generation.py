@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvserve.scheduler.async_engine import EngineStopped, QueueFull, RequestStream
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request as EngineRequest
-from kvserve.scheduler.request import RequestOutput
+from kvserve.scheduler.request import FinishReason, RequestOutput
 from kvserve.server.errors import APIError, engine_error
 from kvserve.server.metrics import RequestTimer
 from kvserve.server.shutdown import SHUTTING_DOWN
@@ -65,7 +65,7 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
             raise rejected(request, error) if error.status == 503 else error
         if answer.stream is not None:
             return StreamingResponse(
-                served.ended_after(answer.stream(served.outputs()), answer.finish_reasons),
+                served.ended_after(answer.stream(served.outputs()), answer.finish_reasons, job.n),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -74,6 +74,7 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
         return JSONResponse(body)
     except _ClientGone:
         outputs.close()
+        served.end([FinishReason.ABORT.value] * job.n)
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it, logs do
     except BaseException:
         outputs.close()
@@ -99,9 +100,14 @@ class _Served:
         finally:
             self._stream.close()
 
-    async def ended_after(self, chunks: AsyncIterator[str], reasons: list[str]) -> AsyncIterator[str]:
-        async for chunk in chunks:
-            yield chunk
+    async def ended_after(self, chunks: AsyncIterator[str], reasons: list[str], n: int) -> AsyncIterator[str]:
+        """The chunks, then `end`; a stream its client left counts each of its `n` choices aborted."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            self.end([FinishReason.ABORT.value] * n)
+            raise
         self.end(reasons)
 
     def end(self, reasons: list[str]) -> None:

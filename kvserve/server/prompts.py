@@ -20,6 +20,7 @@ from kvserve.scheduler.thinking import ThinkingLimit
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.server.errors import context_length_exceeded, invalid, invalid_body
+from kvserve.llama.lora import BASE, AdapterSet, adapter_set, describe
 from kvserve.server.namespace import request_namespace
 from kvserve.server.schemas import (
     ChatCompletionRequest,
@@ -182,9 +183,29 @@ async def body_prompt(model: Model, template: ChatTemplate, body: dict) -> list[
     return await prompt_tokens(model, template, parse_body(body))
 
 
-def job_namespace(body: Sampling, tenant: str | None) -> str:
-    """The cache namespace a body is served in, for the caller `tenant` (None: shared)."""
-    return request_namespace(tenant=tenant, cache_salt=body.cache_salt)
+def job_namespace(body: Sampling, tenant: str | None, adapters: AdapterSet = BASE) -> str:
+    """The cache namespace a body is served in, for the caller `tenant` (None: shared), under `adapters`."""
+    return request_namespace(tenant=tenant, cache_salt=body.cache_salt, adapters=describe(adapters))
+
+
+def adapters_for(engine: Engine, body: Sampling) -> AdapterSet:
+    """The LoRA adapters a body asks for: the one its `model` names (at `--lora-scale`), then its
+    `lora` entries (llama-server's: an index into `--lora` and a scale; a later one wins). An id
+    beyond the loaded adapters is a 400."""
+    names = engine.lora.names if engine.lora else []
+    pairs = [(body.model, engine.settings.lora_scale)] if body.model in names else []
+    for i, entry in enumerate(body.lora or []):
+        if entry.id >= len(names):
+            raise invalid(f"lora[{i}].id is {entry.id}, but this server has {len(names)} adapters "
+                          "(ids are --lora's order; GET /lora-adapters lists them)", "lora")
+        pairs.append((names[entry.id], entry.scale))
+    return adapter_set(pairs)
+
+
+def served_model(engine: Engine, body: Sampling) -> str:
+    """The model name a response reports: the adapter the body named, else the served model's."""
+    names = engine.lora.names if engine.lora else []
+    return body.model if body.model in names else engine.settings.served_name
 
 
 def grammar_for(response_format: ResponseFormat | None) -> str | None:
@@ -268,7 +289,7 @@ async def chat_job(engine: Engine, body: ChatCompletionRequest, *, tenant: str |
     job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl", "messages",
                         tenant=tenant, marks=prompt.marks, special_text=special,
                         thinking=thinking_limit(engine, prompt.reasoning, body.reasoning_budget),
-                        prediction=predicted)
+                        prediction=predicted, adapters=adapters_for(engine, body))
     return job, prompt.reply
 
 
@@ -284,10 +305,11 @@ def thinking_limit(engine: Engine, syntax: ReasoningSyntax | None, budget: int |
 def build_request(
     prompt: list[int], body: Sampling, params: SamplingParams, logprobs: int | None, limits: SchedulerConfig,
     prefix: str, param: str, *, tenant: str | None, marks: list[Mark] | None = None, special_text: bool = False,
-    thinking: ThinkingLimit | None = None, prediction: list[int] | None = None,
+    thinking: ThinkingLimit | None = None, prediction: list[int] | None = None, adapters: AdapterSet = BASE,
 ) -> Request:
-    """The request for `prompt`, in the cache namespace of `tenant` and the body's salt; a prompt
-    that is empty or leaves no room is a 400 naming `param`, the field of the body that holds it."""
+    """The request for `prompt` under `adapters`, in the cache namespace of `tenant`, the body's salt
+    and those adapters; a prompt that is empty or leaves no room is a 400 naming `param`, the field
+    of the body that holds it."""
     if body.n > limits.max_running:  # its choices decode side by side: they could never all be admitted
         raise invalid(f"n is {body.n}, but this server runs at most {limits.max_running} sequences at once", "n")
     max_seq_len = limits.max_seq_len
@@ -307,7 +329,8 @@ def build_request(
         ignore_eos=body.ignore_eos,
         marks=marks or [],
         special_text=special_text,
-        namespace=job_namespace(body, tenant),
+        namespace=job_namespace(body, tenant, adapters),
         thinking=thinking,
         prediction=prediction or [],
+        adapters=adapters,
     )

@@ -167,6 +167,16 @@ def cache_salt_field() -> Any:
                  description="requests share cached prompt rows only with requests that send the same salt")
 
 
+MAX_LORA = 16  # entries of a request's `lora` list
+
+
+class LoraScale(Body):
+    """llama-server's per-request adapter: `id`, the adapter's index in `--lora` order, at `scale`."""
+
+    id: int = Field(ge=0)
+    scale: float = Field(1.0, allow_inf_nan=False)
+
+
 class Sampling(Body):
     """Fields shared by chat and text completions."""
 
@@ -188,6 +198,7 @@ class Sampling(Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = cache_salt_field()
+    lora: list[LoraScale] | None = Field(None, max_length=MAX_LORA)  # llama-server's per-request adapters
 
     @field_validator("stop")
     @classmethod

@@ -48,6 +48,8 @@ async def server_info(request: Request) -> dict:
         "engine": "kvserve",
         "flash_attn": engine.attention.as_dict(),  # what runs and why (--flash-attn and the self-check)
         "flash_attn_enabled": engine.pool.ctx.flash_attn,
+        "lora_adapters": list(s.lora_paths()),  # by name, in id order
+        "adapter_switches": engine.scheduler.times.adapter_switches,  # steps that changed the adapter set
         "speculative": engine.scheduler.speculator.describe(),  # what drafts, within what length
         "cache": {
             "prefix_cache": s.prefix_cache,
@@ -62,6 +64,15 @@ async def server_info(request: Request) -> dict:
             **engine.cache.caps(),  # the limits the cache keeps to (host bytes, checkpoints)
         },
     }
+
+
+@router.get("/lora-adapters")
+async def lora_adapters(request: Request) -> list[dict]:
+    """llama-server's list of adapters: a request's `lora` entries name them by `id`; `scale` is what
+    picking one by its model name applies."""
+    s = _engine(request).settings
+    return [{"id": i, "name": name, "path": str(path), "scale": s.lora_scale}
+            for i, (name, path) in enumerate(s.lora_paths().items())]
 
 
 @router.post("/tokenize")

@@ -37,7 +37,8 @@ def chat_request(body: CountTokens) -> ChatCompletionRequest:
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     for message in body.messages:
         messages += chat_messages(message)
-    fields: dict[str, Any] = {"messages": messages, **_tool_fields(body), **_thinking_fields(body.thinking)}
+    fields: dict[str, Any] = {"messages": messages, "model": body.model,  # an adapter's name picks it
+                              **_tool_fields(body), **_thinking_fields(body.thinking)}
     if isinstance(body, CreateMessage):
         fields.update(max_completion_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, user=body.metadata and body.metadata.user_id,

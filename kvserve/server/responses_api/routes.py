@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
-from kvserve.server.auth import tenant_of
+from kvserve.server.auth import owner_of, tenant_of
 from kvserve.server.errors import APIError, engine_error, error_responses
 from kvserve.server.generation import Answer, Outputs, accepting, respond
 from kvserve.server.responses import LogprobFormatter, sse_event
@@ -35,8 +35,8 @@ def _store(request: Request) -> ResponseStore:
     return request.app.state.response_store
 
 
-def _stored(store: ResponseStore, response_id: str, param: str | None = None) -> StoredResponse:
-    stored = store.get(response_id)
+def _stored(request: Request, response_id: str, param: str | None = None) -> StoredResponse:
+    stored = _store(request).get(response_id, owner_of(request))
     if stored is None:
         raise _not_found(response_id, param)
     return stored
@@ -52,17 +52,18 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 async def create_response(body: CreateResponse, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     store = _store(request)
-    history = _stored(store, body.previous_response_id, "previous_response_id").context \
+    history = _stored(request, body.previous_response_id, "previous_response_id").context \
         if body.previous_response_id else []
     with to_chat.in_responses_terms():
         job, reply = await prompts.chat_job(engine, to_chat.chat_request(body, history), tenant=tenant_of(request))
     events = ResponseEvents(ResponseHead(body, engine.settings.served_name),
                             LogprobFormatter(engine.model) if body.wants_logprobs else None, reply)
     context = history + body.items
+    owner = owner_of(request)
 
     def keep(final: dict) -> None:
         if body.store and final["status"] != "failed":
-            store.put(final, context + [as_input(item) for item in final["output"]])
+            store.put(final, context + [as_input(item) for item in final["output"]], owner)
 
     streamed = partial(_streamed, events, keep) if body.stream else None
     return await respond(request, engine, job, Answer(partial(_whole, events, keep), streamed, events.finish_reasons))
@@ -89,12 +90,12 @@ async def _streamed(events: ResponseEvents, keep: Keep, outputs: Outputs) -> Asy
 @router.get("/v1/responses/{response_id}", responses=error_responses(404))
 @router.get("/responses/{response_id}", responses=error_responses(404))
 async def get_response(response_id: str, request: Request) -> dict:
-    return _stored(_store(request), response_id).body
+    return _stored(request, response_id).body
 
 
 @router.delete("/v1/responses/{response_id}", responses=error_responses(404))
 @router.delete("/responses/{response_id}", responses=error_responses(404))
 async def delete_response(response_id: str, request: Request) -> dict:
-    if not _store(request).delete(response_id):
+    if not _store(request).delete(response_id, owner_of(request)):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}

@@ -1,6 +1,8 @@
 """Finished responses kept in memory, for `GET`/`DELETE /v1/responses/{id}` and `previous_response_id`.
 
-Each replica has its own store: nothing is shared or persisted, and a restart empties it.
+Each replica has its own store: nothing is shared or persisted, and a restart empties it. A stored
+response belongs to the API key that created it: another key can neither read, continue nor delete
+it, and is told it does not exist.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class StoredResponse:
     context: list[InputItem]  # every item it saw (earlier turns and its input) then its output
     size: int  # bytes of both as JSON: what the store's budget counts
     expires: float
+    owner: str | None = None  # the id of the key that stored it (None: a server without keys)
 
 
 class ResponseStore:
@@ -37,12 +40,12 @@ class ResponseStore:
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
 
-    def put(self, body: dict, context: list[InputItem]) -> bool:
-        """Keep `body` under its id; False when it does not fit at all."""
+    def put(self, body: dict, context: list[InputItem], owner: str | None = None) -> bool:
+        """Keep `body` under its id, for `owner` alone; False when it does not fit at all."""
         size = len(json.dumps(body)) + sum(len(item.model_dump_json()) for item in context)
         if self.max_count < 1 or size > self.max_bytes:
             return False
-        entry = StoredResponse(body, context, size, self._clock() + self.ttl)
+        entry = StoredResponse(body, context, size, self._clock() + self.ttl, owner)
         with self._lock:
             self._drop(body["id"])
             self._drop_expired()
@@ -52,15 +55,18 @@ class ResponseStore:
             self.bytes_used += size
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        """The response stored under `response_id` by `owner`; None for any other owner."""
         with self._lock:
             self._drop_expired()
-            return self._entries.get(response_id)
+            entry = self._entries.get(response_id)
+            return entry if entry is not None and entry.owner == owner else None
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
         with self._lock:
             self._drop_expired()
-            return self._drop(response_id)
+            entry = self._entries.get(response_id)
+            return entry is not None and entry.owner == owner and self._drop(response_id)
 
     def __len__(self) -> int:
         with self._lock:

@@ -35,6 +35,7 @@ def chat_request(body: CreateResponse, history: list[InputItem]) -> ChatCompleti
         raise invalid("the input is empty", "input")
     fields = {
         "messages": messages,
+        "model": body.model,  # an adapter's name picks it
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,

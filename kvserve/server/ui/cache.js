@@ -110,16 +110,21 @@ function showRates() {
 
 async function refresh() {
   try {
+    const asked = performance.now();
     const [cache, metrics] = await Promise.all([api("/v1/cache"), api("/metrics")]);
     if (!cache.ok) throw new Error(await errorText(cache));
     if (!metrics.ok) throw new Error(await errorText(metrics));
     const view = await cache.json();
-    remember(parseMetrics(await metrics.text()));
+    const text = await metrics.text();
+    const read = performance.now();
+    remember(parseMetrics(text));
     showStore(view);
     showStreams(view.pool);
     showChains(view);
     showRates();
-    $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    const drawn = performance.now();
+    $("updated").textContent = `updated ${new Date().toLocaleTimeString()}: read in ${Math.round(read - asked)} ms, `
+      + `drawn in ${Math.round(drawn - read)} ms`;
     document.body.dataset.refreshes = Number(document.body.dataset.refreshes || 0) + 1;
   } catch (error) {
     $("updated").textContent = `not updated: ${error.message}`;
