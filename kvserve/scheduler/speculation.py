@@ -12,7 +12,8 @@ Choosing k (mode `auto`; a fixed drafter, `ngram` or `tree`, drafts all it guess
 `--draft-max`): a step costs about
 `a + b * tokens` seconds (`StepCost`, fitted on the steps the engine runs). A draft token that the
 target accepts with probability `p` adds `p` expected tokens for `b` seconds; the speculator adds
-draft tokens, most likely first, while each raises the step's expected tokens per second. Where a
+draft tokens, most likely first, while each raises the step's expected tokens per second and none
+is less likely than `MIN_GAIN`. Where a
 step's cost grows with every token (a busy CPU) that stops drafts early; where weights dominate (one
 user) it lets long, likely drafts through. Acceptance is measured per drafter and per sequence.
 
