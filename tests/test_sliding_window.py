@@ -144,6 +144,15 @@ def test_a_full_size_window_cache_cuts_back_anywhere(gemma: Model) -> None:
 # -- the window kept with the pages at a mark ----------------------------------------------------------
 
 
+def _donated_at_the_end(pool: StreamPool, cache: PageCache, prompt: list[int]) -> None:
+    """A request with no stop: served whole, its pages donated when it ends (without the window
+    before its last n_swa positions)."""
+    session = pool.new_session()
+    _next(pool, session, prompt)
+    cache.insert(session, session.tokens)
+    pool.end_session(session)
+
+
 def _stop_at(pool: StreamPool, cache: PageCache, prompt: list[int], stop: int) -> None:
     """A prefill that stops at `stop` to keep the window there, then runs to its end."""
     session = pool.new_session()
@@ -180,10 +189,7 @@ def test_a_window_kept_at_a_mark_is_attached_in_another_stream(gemma: Model) -> 
 def test_without_a_stop_the_prefix_is_refused(gemma: Model) -> None:
     pool, cache = _pool(gemma)
     system = _tokens(203, 4)
-    session = pool.new_session()
-    _next(pool, session, system + _tokens(30, 5))
-    cache.insert(session, session.tokens)
-    pool.end_session(session)
+    _donated_at_the_end(pool, cache, system + _tokens(30, 5))
     assert cache.match_len(PrefixKey("", system + _tokens(25, 6))) == 0  # the pages lack the window before 192
     cache.release()
     pool.close()
@@ -194,10 +200,7 @@ def test_a_window_is_read_alone_into_pages_already_cached(gemma: Model) -> None:
     read when a later prefill stops there; those pages grow by exactly the window's rows."""
     pool, cache = _pool(gemma)
     system, stop = _tokens(203, 4), 192
-    session = pool.new_session()
-    _next(pool, session, system + _tokens(30, 5))
-    cache.insert(session, session.tokens)
-    pool.end_session(session)
+    _donated_at_the_end(pool, cache, system + _tokens(30, 5))
     path = cache.tree.match(PrefixKey("", system), stop // PAGE)
     before = sum(cache.store.peek(node).nbytes for node in path)
     assert cache.match_len(PrefixKey("", system + _tokens(25, 6))) == 0
@@ -301,10 +304,7 @@ def test_a_window_one_position_off_fails_the_comparison(gemma: Model, monkeypatc
     monkeypatch.setattr(SeqState, "read_window", shifted)
     pool, cache = _pool(gemma)
     system = _tokens(203, 4)
-    session = pool.new_session()
-    _next(pool, session, system + _tokens(30, 5))
-    cache.insert(session, session.tokens)
-    pool.end_session(session)
+    _donated_at_the_end(pool, cache, system + _tokens(30, 5))
     _stop_at(pool, cache, system + _tokens(40, 7), 192)
     assert cache.windows_filled == 1
     prompt_b = system + _tokens(25, 6)

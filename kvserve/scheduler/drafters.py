@@ -95,14 +95,14 @@ class PredictionDrafter:
         predicted = sequence.prediction
         if not predicted or k <= 0:
             return []
-        output = sequence.tokens[sequence.prompt_len :]
-        if not output:
+        tokens, n_out = sequence.tokens, len(sequence.tokens) - sequence.prompt_len
+        if not n_out:
             return predicted[:k]
         index = sequence.indexes.get(self.name)
         if index is None:
             index = sequence.indexes[self.name] = _NgramIndex(self.min_n, self.max_n)
             index.update(predicted + [-1])  # every gram of the prediction, its last one too
-        at = index.lookup(output[-self.max_n :])
+        at = index.lookup(tokens[len(tokens) - min(n_out, self.max_n) :])  # the output's tail, uncopied
         return [] if at is None else predicted[at : at + k]
 
 
