@@ -269,12 +269,10 @@ class PageCache(PrefixCache):
         """Pages a live session reads (a parent locked only by its children is not counted)."""
         return len({node for nodes in self._locks.values() for node in nodes})
 
-    def window_bytes(self, namespace: str | None = None) -> int:
-        """Of the pages' bytes (of `namespace`, or all), those of sliding-window rows (0 for a model
-        without a window)."""
+    def _window_bytes(self, nodes: list[PageNode]) -> int:
+        """Of the pages of `nodes`, the bytes of sliding-window rows (0 for a model without a window)."""
         if not self.rows.n_swa:
             return 0
-        nodes = self.tree.leaves_first(namespace)
         return sum(page.tables[1].nbytes for node in nodes if (page := self.store.peek(node)) is not None)
 
     def view(self, namespace: str) -> dict:
@@ -282,6 +280,6 @@ class PageCache(PrefixCache):
         nodes = self.tree.leaves_first(namespace)
         return {"enabled": True, "held_pages": len(nodes),
                 "held_bytes": sum(map(self.store.size, nodes)),
-                "budget_bytes": self.store.budget_bytes, "window_bytes": self.window_bytes(namespace),
+                "budget_bytes": self.store.budget_bytes, "window_bytes": self._window_bytes(nodes),
                 "chains": [chain.snapshot(self.page_rows, self.store) for chain in self.chains.values()
                            if chain.namespace == namespace]}
