@@ -56,7 +56,6 @@ class LoraAdapters:
     def __init__(self, model: Model, paths: Mapping[str, Path]) -> None:
         self.model = model
         self._ptrs: dict[str, object] = {}
-        self.switches = 0  # times `apply` changed the context's adapters
         self._applied: dict[int, AdapterSet] = {}  # per context (by id): what is set now
         try:
             for name, path in paths.items():
@@ -85,7 +84,6 @@ class LoraAdapters:
         scales = (ctypes.c_float * n)(*(scale for _, scale in adapters))
         llama_cpp.llama_set_adapters_lora(ctx.ptr, ptrs if n else None, n, scales if n else None)
         self._applied[key] = adapters
-        self.switches += 1
         return True
 
     def close(self) -> None:
