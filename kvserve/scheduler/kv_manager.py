@@ -12,6 +12,9 @@ Invariants:
   place or attached, `commit` appends what a decode evaluated and cuts (`llama_memory_seq_rm`)
   the rows of draft tokens that verification rejected, nothing else does; so after every step
   `llama_memory_seq_pos_max` of a running sequence is its session's length - 1;
+- a draft model's stream of a seq id holds a prefix of what the target stream of that id holds (plus,
+  within a step, the draft): `start`, `fork_waiting_siblings` and `release` trim it to the target
+  stream's tokens, `commit` cuts it to the session's accepted length;
 - rows are cut only where the model allows it (`can_cut`): never for a recurrent state or a
   sliding window, so speculation is off for those models;
 - a choice holds a session from its start until its request ends or is preempted; `release` frees
@@ -33,6 +36,7 @@ from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import KvPool, PoolExhausted
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.prefix_key import PrefixKey, namespace_kind
+from kvserve.scheduler.draft_model import DraftModel
 from kvserve.scheduler.request import Choice, Request
 
 
@@ -43,9 +47,10 @@ class Room(enum.Enum):
 
 
 class KvManager:
-    def __init__(self, pool: KvPool, cache: PrefixCache) -> None:
+    def __init__(self, pool: KvPool, cache: PrefixCache, draft: DraftModel | None = None) -> None:
         self.pool = pool
         self.cache = cache
+        self.draft = draft
         self.model = pool.ctx.model
         self.inplace_queried = 0  # prompt tokens of the sessions placed in place (the cache saw none of them)
         self.kind_queried: Counter[str] = Counter()  # prompt tokens of started requests, by namespace kind
@@ -79,6 +84,8 @@ class KvManager:
         except PoolExhausted:
             self.release(request, donate=False)
             return False
+        for choice in choices:
+            self._follow(choice.session.seq)
         for choice in placed:
             request.state.cached_tokens = max(request.state.cached_tokens, min(choice.session.n_past, len(request.prompt)))
         if first_start:
@@ -148,6 +155,8 @@ class KvManager:
             if not self.can_cut:
                 raise RuntimeError("rejected draft rows in a stream that cannot cut rows")
             self.pool.ctx.seq_rm(session.seq, start + n_accepted, -1)
+        if self.draft is not None:
+            self.draft.cut(session.seq, session.n_past)
 
     def checkpoint_if_at_mark(self, request: Request, choice: Choice) -> None:
         session = choice.session
@@ -168,6 +177,7 @@ class KvManager:
             self.pool.fork(parent.session, sibling.session)
             sibling.waits_for_fork = False
             sibling.forked = True
+            self._follow(sibling.session.seq)
         return siblings
 
     # -- the end --------------------------------------------------------------------------------------------
@@ -180,8 +190,14 @@ class KvManager:
             if donate and not choice.forked:
                 self.cache.insert(session, session.tokens, preview=self._preview(request))
             self.pool.end_session(session)
+            self._follow(session.seq)
             choice.session = None
             choice.forked = False
+
+    def _follow(self, seq: int) -> None:
+        """The draft stream of `seq` keeps only what the target stream still holds."""
+        if self.draft is not None:
+            self.draft.trim(seq, self.pool.held(seq))
 
     def _preview(self, request: Request) -> str:
         return self.model.detokenize(request.prompt[-24:])
