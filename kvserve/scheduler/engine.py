@@ -76,7 +76,7 @@ class Engine:
         scheduler = Scheduler(pool, cache, config, embedder, spec, lora)
         if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:
             _log.warning("speculative decoding is off: this model's KV rows cannot be cut back "
-                         "(a recurrent state or a sliding window)")
+                         "(a recurrent state)")
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
         template = ChatTemplate.from_model(model, settings.chat_template_file)
         reasoning = resolve_format(settings.reasoning_format, template.source, model.is_one_token)
