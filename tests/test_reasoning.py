@@ -436,3 +436,47 @@ def test_a_lazy_grammar_is_kept_from_the_thinking(tiny, syntax: ReasoningSyntax,
     finally:
         sampler.close()
         model.close()
+
+
+# --- replies recorded from real models ------------------------------------------------------------------
+
+
+def _tools_plan(fmt: ToolFormat, *names: str):
+    from kvserve.tools.plan import ToolPlan
+
+    tools = tuple(FunctionTool(name) for name in names)
+    grammar = tool_grammar(fmt, list(tools), required=False, parallel=False, opening_token=None)
+    return ToolPlan(fmt, tools, tools, ToolChoice(Mode.AUTO), False, grammar)
+
+
+def _recorded():
+    import recorded_replies as r
+
+    browse_thought = r.GPT_OSS_BROWSE.split("<|message|>")[1].split("<|end|>")[0]
+    plan = _tools_plan(ToolFormat.HARMONY, "get_weather", "generate_file")
+    return {  # name: (plan, text, reasoning, answer, calls as (name, arguments))
+        "gpt-oss-browse": (ReplyPlan(HARMONY, plan), r.GPT_OSS_BROWSE, browse_thought,
+                           '{"query": "current US president July 2025", "topn": 10, "source": "news"}', []),
+        "gpt-oss-answer": (ReplyPlan(HARMONY, plan), r.GPT_OSS_ANSWER,
+                           'User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.', "2 + 2 = 4.", []),
+        "gpt-oss-call": (ReplyPlan(HARMONY, plan), r.GPT_OSS_CALL, "Need to use function get_weather.", "",
+                         [("get_weather", '{"location":"San Francisco"}')]),
+        "gpt-oss-preamble": (ReplyPlan(HARMONY, plan), r.GPT_OSS_PREAMBLE, "{long chain of thought}",
+                             r.GPT_OSS_PREAMBLE.split("commentary<|message|>")[1].split("<|end|>")[0],
+                             [("generate_file", '{"template": "basic_html", "path": "index.html"}')]),
+        "r1-hello": (ReplyPlan(DEEPSEEK_OPEN, _weather_plan()), r.R1_HELLO, r.R1_REASONING, r.R1_ANSWER, []),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-browse", "gpt-oss-answer", "gpt-oss-call", "gpt-oss-preamble", "r1-hello"])
+def test_recorded_replies_read_alike_at_every_byte_cut(name: str) -> None:
+    plan, text, reasoning, answer, calls = _recorded()[name]
+    whole = read(plan, [text])
+    assert parts(whole) == (reasoning, answer)
+    got = [(e.name, "".join(a.text for a in whole if isinstance(a, ArgumentsDelta) and a.index == e.index))
+           for e in whole if isinstance(e, CallStarted)]
+    assert got == calls
+    assert whole[-1] == Ended("tool_calls" if calls else "stop")
+    for cut in range(1, len(text.encode())):
+        assert read(plan, byte_pieces(text, [cut])) == whole, cut
+    assert read(plan, list(text)) == whole
