@@ -480,3 +480,13 @@ def test_recorded_replies_read_alike_at_every_byte_cut(name: str) -> None:
     for cut in range(1, len(text.encode())):
         assert read(plan, byte_pieces(text, [cut])) == whole, cut
     assert read(plan, list(text)) == whole
+
+
+def test_gpt_oss_templates_are_read_as_harmony_tools() -> None:
+    """gpt-oss's own template writes a call's header in two pieces."""
+    from kvserve.tools import detect_format
+
+    gpt_oss = ('{{- "<|start|>assistant to=" }}\n{{- "functions." + tool_call.name + "<|channel|>commentary " }}\n'
+               '{{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}')
+    assert detect_format(gpt_oss) is ToolFormat.HARMONY
+    assert detect_format("<|start|>{{ m.role }}<|channel|>final<|message|>") is ToolFormat.GENERIC  # no tools

@@ -74,3 +74,5 @@ class ThinkingWatch:
         """Observe the token just generated, then arm or disarm the sampler's deferred grammar."""
         self.observe(text, token)
         sampler.gate(self.answering, self.replay)
+        if self.answering:
+            self._since_quiet = []  # armed (or no grammar waits): nothing to replay until thinking again

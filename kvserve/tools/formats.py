@@ -42,7 +42,8 @@ class ToolFormat(str, enum.Enum):
 
 
 def detect_format(template_source: str) -> ToolFormat:
-    if "<|channel|>" in template_source and "to=functions." in template_source:
+    # gpt-oss's template writes a call's header in pieces: "<|start|>assistant to=" then "functions." + name
+    if "<|channel|>" in template_source and "to=" in template_source and "functions." in template_source:
         return ToolFormat.HARMONY
     if "[TOOL_CALLS]" in template_source:
         return ToolFormat.MISTRAL
