@@ -87,7 +87,7 @@ class Engine:
         scheduler = Scheduler(pool, cache, config, embedder, spec, lora, draft)
         if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:
             _log.warning("speculative decoding is off: this model's KV rows cannot be cut back "
-                         "(a recurrent state or a sliding window)")
+                         "(a recurrent state)")
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
         template = ChatTemplate.from_model(model, settings.chat_template_file)
         reasoning = resolve_format(settings.reasoning_format, template.source, model.is_one_token)
@@ -114,9 +114,8 @@ def uses_draft_model(settings: Settings) -> bool:
 
 def load_draft_model(settings: Settings, pool: KvPool, attention: FlashAttnChoice) -> DraftModel | None:
     """The draft model's context beside the target's (a stream per target stream), where
-    `--speculative draft` or `auto` uses it and the target's rows can be cut back."""
-    info = pool.ctx.model.info
-    if not uses_draft_model(settings) or info.carries_state or pool.ctx.n_swa:
+    `--speculative draft` or `auto` uses it and the target's rows can be cut back (not a recurrent state)."""
+    if not uses_draft_model(settings) or pool.ctx.model.info.carries_state:
         return None
     draft = DraftModel(settings.draft_model, pool.ctx, settings.threads, "on" if attention.enabled else "off")
     _log.info("draft model %s: %d streams, %.0f MiB", settings.draft_model, draft.ctx.n_seq_max, draft.ctx.kv_bytes / MIB)

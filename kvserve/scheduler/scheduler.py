@@ -69,7 +69,7 @@ class Scheduler:
         self.admission = Admission(self.kv, self.ending, config, self.queues)
         tree = getattr(cache, "tree", None)
         self.speculator = Speculator(spec or SpecConfig(), TreeDrafter(tree) if tree is not None else None,
-                                     self.kv.can_cut, draft)
+                                     self.kv.cuts_rows, draft)
         self.planner = BatchPlanner(self.kv, self.ending, config, self.queues, self.speculator)
         self.sampling = Sampling(pool.ctx, config.max_seq_len)
         self._inbox: deque[Request] = deque()

@@ -28,7 +28,8 @@ each probe that loses too, so that a measurement gone stale is re-probed, rarely
 
 Invariants:
 - a draft never runs past the sequence's stream, its `max_tokens` or the longest sequence allowed;
-- nothing drafts for a model whose rows cannot be cut (`KvManager.can_cut`);
+- nothing drafts for a model whose rows cannot be cut (a recurrent state, `KvManager.cuts_rows`);
+  a sliding-window model drafts, and each cut asks its stream (`KvManager.commit`);
 - the step's tokens stay within the token budget.
 """
 

@@ -170,7 +170,7 @@ class ToolCallParser:
         was held for it is syntax, not content."""
         call, self._open = self._open, None
         assert call is not None
-        if not _is_json_object("".join(call.arguments)):
+        if not is_json_object("".join(call.arguments)):
             raise _NotACall
         self._raw = None
         self._held_ws = ""
@@ -446,7 +446,7 @@ class ToolCallParser:
         return ch
 
 
-def _is_json_object(text: str) -> bool:
+def is_json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text, parse_constant=_reject), dict)
     except ValueError:
