@@ -8,7 +8,7 @@ draft's; that token is the step's correction. So the chain sees exactly the toke
 sampled without speculation (penalties, logit_bias, grammars and seeded RNG draws alike), and a
 drafter's guess can change how fast tokens come, never which.
 
-Choosing k (mode `auto`; a fixed drafter, `ngram` or `tree`, drafts all it guesses up to
+Choosing k (mode `auto`; a fixed drafter, `ngram`, `tree` or `draft`, drafts all it guesses up to
 `--draft-max`): a step costs about
 `a + b * tokens` seconds (`StepCost`, fitted on the steps the engine runs). A draft token that the
 target accepts with probability `p` adds `p` expected tokens for `b` seconds; the speculator adds
@@ -23,7 +23,7 @@ Its guesses are not free: each costs a decode of the draft model, `a_d + b_d * s
 (fitted on the draft decodes run). Under `auto` it drafts `k` tokens for the `m` sequences that
 want one only where `(E + m * (p + p^2 + .. + p^k)) / (T + k * m * b + k * (a_d + b_d * m))`, the
 expected tokens per second of draft and target step, beats `E / T` without it (`p`: its measured
-acceptance). Where it loses it is not asked again for `PROBE_AFTER` steps, twice as many after
+acceptance); the `k` tokens it drafted are then verified whole. Where it loses it is not asked again for `PROBE_AFTER` steps, twice as many after
 each probe that loses too, so that a measurement gone stale is re-probed, rarely.
 
 Invariants:
@@ -38,7 +38,6 @@ from __future__ import annotations
 import enum
 import heapq
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from kvserve.scheduler.drafters import Drafter, NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
