@@ -490,3 +490,15 @@ def test_gpt_oss_templates_are_read_as_harmony_tools() -> None:
                '{{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}')
     assert detect_format(gpt_oss) is ToolFormat.HARMONY
     assert detect_format("<|start|>{{ m.role }}<|channel|>final<|message|>") is ToolFormat.GENERIC  # no tools
+
+
+def test_the_tool_parser_examines_each_character_a_bounded_number_of_times() -> None:
+    """Whitespace before a possible call is held back; a long run of it, fed a character at a time,
+    is walked once more in all, not once per character (n²/2)."""
+    parser = _weather_plan().parser()
+    text = ("Some text, then a pause" + " " * 400 + "\n" * 100 + "<to" + "\t" * 300) * 5
+    for ch in text:
+        parser.feed(ch)
+    parser.finish()
+    assert parser.content == text
+    assert parser.examined <= 2 * len(text)
