@@ -142,3 +142,23 @@ def test_auto_uses_a_draft_model_only_where_it_pays_and_reprobes_rarely() -> Non
     state, limit = _unguessable(1)[0]  # other drafters' guesses go first and cost no draft decode
     state.sequence.tokens[:] = [1, 2, 3, 1, 2]
     assert speculator.choose([(state, limit)], 1, 0)[0][1] != "draft" and len(dear.calls) == 2
+
+
+def test_auto_drops_a_draft_model_that_the_measured_steps_say_loses() -> None:
+    """The fitted costs say the model pays, but whole steps with it emit fewer tokens per second
+    than without (a fit gone wrong): after both arms are measured, auto stops asking it (bar probes)."""
+    from kvserve.scheduler.speculation import GOODPUT_SAMPLES, PROBE_AFTER
+
+    speculator = _with_model(_FakeDraftModel(a=0.001, b=0.0001))
+    speculator.cost = StepCost(a=0.05, b=0.0005)
+    used = []
+    for _ in range(PROBE_AFTER + 2 * GOODPUT_SAMPLES):
+        candidates = _unguessable(1)
+        (draft, name), = speculator.choose(candidates, n_decoding=1, n_other=0)
+        if draft:
+            speculator.record(candidates[0][0], name, len(draft), 1)  # 2 tokens in 0.3 s
+        speculator.end_step(0.3 if draft else 0.1)  # against 1 token in 0.1 s
+        used.append(bool(draft))
+    n = GOODPUT_SAMPLES
+    assert used[:n] == [True] * n and used[n : 2 * n] == [False] * n, "each arm measured"
+    assert sum(used[2 * n :]) == 1, "then only the probe"

@@ -66,6 +66,39 @@ ACCEPTANCE_EMA = 0.3
 PROBE_AFTER = 64
 PROBE_AFTER_MAX = 4096
 PROBE_LENGTH = 2
+# Decode-only steps measured in each arm (the draft model drafting, and not) before they are compared.
+GOODPUT_SAMPLES = 4
+GOODPUT_EMA = 0.2
+
+
+@dataclass
+class Goodput:
+    """Tokens emitted per second of step, as exponentially weighted means of both."""
+
+    samples: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if not self.samples else GOODPUT_EMA
+        self.tokens = (1 - w) * self.tokens + w * tokens
+        self.seconds = (1 - w) * self.seconds + w * seconds
+        self.samples += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _ModelStep:
+    """The step under way where the draft model was asked: whether it drafted, for how many decoding
+    sequences, whether the step carries other tokens (then it is not measured), tokens emitted."""
+
+    drafted: bool
+    n_decoding: int
+    decode_only: bool
+    tokens: int
 
 
 @dataclass
@@ -144,6 +177,8 @@ class Speculator:
         self.draft_model = draft_model if joins else None
         self._probe_after = PROBE_AFTER
         self._skipped = 0  # steps since auto last let the draft model draft
+        self.goodput: dict[tuple[bool, int], Goodput] = {}  # by (model drafted, bucket of decoding sequences)
+        self._step: _ModelStep | None = None
         for drafter in [*self.drafters, *([draft_model] if self.draft_model else [])]:
             self.stats[drafter.name] = DrafterStats()
 
@@ -203,6 +238,7 @@ class Speculator:
         rates = [candidates[i][0].rate(model.name, self.global_rate(model.name)) for i in wanting]
         k = self.config.draft_max if self.config.mode is SpecMode.DRAFT else self._model_length(
             sum(rates) / len(rates), len(wanting), n_decoding + n_other, n_decoding)
+        self._step = _ModelStep(k > 0, n_decoding, n_other == 0, n_decoding)
         if k <= 0:
             return
         wants = [(candidates[i][0].sequence.seq, candidates[i][0].sequence.tokens,
@@ -213,9 +249,14 @@ class Speculator:
     def _model_length(self, p: float, m: int, tokens: int, expected: float) -> int:
         """How many tokens the draft model drafts for `m` sequences (acceptance `p` each) in a step of
         `tokens` tokens that is expected to emit `expected`: the length that most raises expected
-        tokens per second of draft and target step, 0 where none raises it (then a probe, rarely)."""
+        tokens per second of draft and target step, 0 where none raises it or where the steps measured
+        say the model loses (then a probe, rarely)."""
         model = self.draft_model
         assert model is not None
+        with_model, without = (self.goodput.get((arm, _bucket(int(expected))), Goodput()) for arm in (True, False))
+        if with_model.samples >= GOODPUT_SAMPLES > without.samples:
+            return 0  # measure the other arm
+        measured_loss = min(with_model.samples, without.samples) >= GOODPUT_SAMPLES and with_model.rate < without.rate
         base = self.cost.seconds(tokens)
         best_k, best = 0, expected / base
         gain, q = 0.0, 1.0
@@ -227,7 +268,7 @@ class Speculator:
             seconds = base + k * m * self.cost.b + k * model.cost.seconds(m)
             if (expected + gain) / seconds > best:
                 best_k, best = k, (expected + gain) / seconds
-        if best_k:
+        if best_k and not measured_loss:
             self._skipped, self._probe_after = 0, PROBE_AFTER
             return best_k
         self._skipped += 1
@@ -246,8 +287,17 @@ class Speculator:
                 return draft, drafter.name, state.rate(drafter.name, self.global_rate(drafter.name))
         return [], "", 0.0
 
+    def end_step(self, seconds: float) -> None:
+        """The step ran for `seconds` (draft decodes, target decode, sampling): measure its goodput
+        where the draft model was asked and the step only decoded."""
+        step, self._step = self._step, None
+        if step is not None and step.decode_only:
+            self.goodput.setdefault((step.drafted, _bucket(step.n_decoding)), Goodput()).observe(step.tokens, seconds)
+
     def record(self, state: SpecState, drafter: str, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens from `drafter` kept `accepted` of them."""
+        if self._step is not None:
+            self._step.tokens += accepted
         stats = self.stats[drafter]
         stats.drafts += 1
         stats.drafted += drafted
@@ -259,3 +309,8 @@ class Speculator:
         if drafter == "prediction":
             state.prediction_accepted += accepted
             state.prediction_rejected += drafted - accepted
+
+
+def _bucket(n_decoding: int) -> int:
+    """1, 2, 3-4, 5-8, ..: steps of about as many decoding sequences share a goodput measurement."""
+    return (n_decoding - 1).bit_length()
