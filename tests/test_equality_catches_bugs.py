@@ -16,6 +16,7 @@ import pytest
 
 from equality import TINY_TOLERANCE, TOP, assert_like_alone
 from kvserve.cache import PrefixKey, create_kv_pool
+from kvserve.scheduler.kv_manager import KvManager
 from kvserve.llama.batch import Batch
 from kvserve.llama.model import Model
 from kvserve.llama.seq_state import KvPage
@@ -107,12 +108,12 @@ def test_the_same_comparison_passes_without_a_bug(tiny, flash_attn: str) -> None
     assert_all_like_alone(alone, together, flash_attn)
 
 
-def _traced_generate(pool, session, tail: list[int], n: int) -> list[TokenLogprobs]:
-    logits, out = pool.eval(session, tail), []
+def _traced_generate(kv: KvManager, session, tail: list[int], n: int) -> list[TokenLogprobs]:
+    logits, out = kv.eval(session, tail), []
     for _ in range(n):
         step = token_logprobs(logits, int(np.argmax(logits)), TOP)
         out.append(step)
-        logits = pool.eval(session, [step.token])
+        logits = kv.eval(session, [step.token])
     return out
 
 
@@ -140,24 +141,25 @@ def test_attach_equality_fails_on_misplaced_rows(tiny, monkeypatch: pytest.Monke
     tell (positions continue), so only the comparison with a scratch run can."""
     model = Model(tiny("llama"))
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, n_batch=256, flash_attn=flash_attn)
+    kv = KvManager(pool, cache)
     a, b = (model.tokenize(f"{name} " + "and so the story goes on " * 16, add_special=True)[:65]
             for name in ("Alice", "Bob"))
     for prompt in (a, b):
-        session = pool.new_session()
-        pool.eval(session, prompt)
+        session = kv.new_session()
+        kv.eval(session, prompt)
         cache.insert(session, session.tokens)
         pool.end_session(session)
     pages_of_a = [cache.store.peek(node) for node in cache.tree.match(PrefixKey("", a), len(a))]
     real_attach = cache.rows.attach
     monkeypatch.setattr(cache.rows, "attach",
                         lambda seq, pages, n: real_attach(seq, MUTANTS[mutant](pages, pages_of_a), n))
-    session = pool.new_session()
-    assert cache.attach(session, PrefixKey("", b)) == 64
-    attached = _traced_generate(pool, session, b[64:], 8)
+    session = kv.new_session()
+    assert kv.attach(session, PrefixKey("", b)) == 64
+    attached = _traced_generate(kv, session, b[64:], 8)
     pool.end_session(session)
     monkeypatch.undo()
-    scratch_session = pool.new_session()
-    scratch = _traced_generate(pool, scratch_session, b, 8)
+    scratch_session = kv.new_session()
+    scratch = _traced_generate(kv, scratch_session, b, 8)
     pool.end_session(scratch_session)
     cache.release()
     pool.close()

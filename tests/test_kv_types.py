@@ -15,6 +15,7 @@ import pytest
 import kvserve.scheduler.engine as engine_module
 from conftest import engine, greedy, run_traced
 from kvserve.cache import create_kv_pool
+from kvserve.scheduler.kv_manager import KvManager
 from kvserve.llama.attention_check import FlashAttnChoice
 from kvserve.llama.kv_types import KV_TYPES
 from kvserve.llama.model import Model
@@ -45,9 +46,10 @@ def _donated(model: Model, kv_type: str, prompt: list[int], budget_bytes: int) -
     a token as the state reads them, pages held)."""
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=1, flash_attn="on",
                                  kv_types=(kv_type, kv_type), budget_bytes=budget_bytes)
+    kv = KvManager(pool, cache)
     try:
-        session = pool.new_session()
-        pool.eval(session, prompt)
+        session = kv.new_session()
+        kv.eval(session, prompt)
         state = SeqState(pool.ctx)
         state.read(session.seq)
         cache.insert(session, session.tokens)

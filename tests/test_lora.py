@@ -18,6 +18,7 @@ import pytest
 from conftest import engine, greedy, run_traced, serve
 from equality import SMOLLM2_TOLERANCE, TOP, assert_like_alone
 from kvserve.cache import create_kv_pool
+from kvserve.scheduler.kv_manager import KvManager
 from kvserve.llama.lora import BASE, AdapterSet, LoraAdapters, adapter_set, describe
 from kvserve.llama.model import Model
 from kvserve.scheduler.engine import Engine
@@ -73,15 +74,16 @@ def test_scale_zero_is_the_base_model_and_an_adapter_changes_greedy_output(smoll
     model = Model(smollm2)
     lora = LoraAdapters(model, adapters)
     pool, cache = create_kv_pool(model, n_ctx_seq=256, n_streams=1, enabled=False)
+    kv = KvManager(pool, cache)
     prompt = model.tokenize(SYSTEM + QUESTION, add_special=True)
 
     def greedy_tokens(n: int = 12) -> tuple[np.ndarray, list[int]]:
-        session = pool.new_session()
-        first = logits = pool.eval(session, prompt)
+        session = kv.new_session()
+        first = logits = kv.eval(session, prompt)
         out = []
         for _ in range(n):
             out.append(int(np.argmax(logits)))
-            logits = pool.eval(session, [out[-1]])
+            logits = kv.eval(session, [out[-1]])
         pool.end_session(session)
         return first, out
 

@@ -13,39 +13,40 @@ import pytest
 
 from conftest import engine, greedy, run
 from kvserve.cache import KvPool, PrefixKey, StreamPool, create_kv_pool
+from kvserve.scheduler.kv_manager import KvManager
 from kvserve.llama.model import Model
 
 PAGE = 16
 SYSTEM = "You are a careful assistant. Answer briefly and precisely, citing facts only. " * 2
 
 
-def _generate(pool: KvPool, session, prompt_tail: list[int], n: int) -> list[int]:
-    logits = pool.eval(session, prompt_tail)
+def _generate(kv: KvManager, session, prompt_tail: list[int], n: int) -> list[int]:
+    logits = kv.eval(session, prompt_tail)
     out = []
     for _ in range(n):
         token = int(np.argmax(logits))
         out.append(token)
-        logits = pool.eval(session, [token])
+        logits = kv.eval(session, [token])
     return out
 
 
-def _from_scratch(pool: KvPool, prompt: list[int], n: int) -> list[int]:
-    session = pool.new_session()
+def _from_scratch(kv: KvManager, prompt: list[int], n: int) -> list[int]:
+    session = kv.new_session()
     try:
-        return _generate(pool, session, prompt, n)
+        return _generate(kv, session, prompt, n)
     finally:
-        pool.end_session(session)
+        kv.pool.end_session(session)
 
 
 def _positions(pool: StreamPool, session) -> tuple[int, int]:
     return pool.ctx.seq_pos_min(session.seq), pool.ctx.seq_pos_max(session.seq)
 
 
-def _donate(pool: StreamPool, cache, prompt: list[int]) -> None:
-    session = pool.new_session()
-    pool.eval(session, prompt)
+def _donate(kv: KvManager, cache, prompt: list[int]) -> None:
+    session = kv.new_session()
+    kv.eval(session, prompt)
     cache.insert(session, session.tokens)
-    pool.end_session(session)
+    kv.pool.end_session(session)
 
 
 @pytest.fixture(params=["tiny-llama", "smollm2"])
@@ -58,48 +59,50 @@ def model(request, tiny, smollm2) -> Model:
 
 def test_attach_then_tail_prefill_equals_scratch(model: Model) -> None:
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=1024, n_streams=4)
+    kv = KvManager(pool, cache)
     prompt_a = model.tokenize(SYSTEM + "Question: what is the capital of France?", add_special=True)
     prompt_b = model.tokenize(SYSTEM + "Question: name three colours of the rainbow.", add_special=True)
     shared = next(i for i, (x, y) in enumerate(zip(prompt_a, prompt_b)) if x != y)
 
-    a = pool.new_session()
-    out_a = _generate(pool, a, prompt_a, 8)
+    a = kv.new_session()
+    out_a = _generate(kv, a, prompt_a, 8)
     cache.insert(a, a.tokens, preview="A")
     pool.end_session(a)
 
     expected = shared // PAGE * PAGE  # a partial match ending mid-prompt, on a page boundary
     assert cache.match_len(PrefixKey("", prompt_b)) == expected > 0
-    b = pool.new_session()
-    assert cache.attach(b, PrefixKey("", prompt_b)) == expected
+    b = kv.new_session()
+    assert kv.attach(b, PrefixKey("", prompt_b)) == expected
     assert b.n_past == expected and _positions(pool, b) == (0, expected - 1)
-    out_b = _generate(pool, b, prompt_b[b.n_past :], 8)
+    out_b = _generate(kv, b, prompt_b[b.n_past :], 8)
     pool.end_session(b)
 
-    assert out_b == _from_scratch(pool, prompt_b, 8)
-    assert _from_scratch(pool, prompt_a, 8) == out_a
+    assert out_b == _from_scratch(kv, prompt_b, 8)
+    assert _from_scratch(kv, prompt_a, 8) == out_a
     cache.release()
     pool.close()
 
 
 def test_prompt_equal_to_a_chain_attaches_one_token_short(model: Model) -> None:
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=1024, n_streams=4)
+    kv = KvManager(pool, cache)
     prompt = model.tokenize(SYSTEM * 3, add_special=True)[: 3 * PAGE]  # exactly three pages
     assert len(prompt) == 3 * PAGE
-    a = pool.new_session()
-    pool.eval(a, prompt)
+    a = kv.new_session()
+    kv.eval(a, prompt)
     cache.insert(a, a.tokens)
     pool.end_session(a)
     assert cache.held_pages == 3
     # The whole prompt is cached, but the model must evaluate its last token to produce logits.
     assert cache.match_len(PrefixKey("", prompt)) == 2 * PAGE
-    b = pool.new_session()
-    cache.attach(b, PrefixKey("", prompt))
+    b = kv.new_session()
+    kv.attach(b, PrefixKey("", prompt))
     tail = prompt[b.n_past :]
     assert len(tail) == PAGE
-    logits = pool.eval(b, tail)
+    logits = kv.eval(b, tail)
     pool.end_session(b)
-    scratch = pool.new_session()
-    assert int(np.argmax(pool.eval(scratch, prompt))) == int(np.argmax(logits))
+    scratch = kv.new_session()
+    assert int(np.argmax(kv.eval(scratch, prompt))) == int(np.argmax(logits))
     pool.end_session(scratch)
     cache.release()
     pool.close()
@@ -108,9 +111,10 @@ def test_prompt_equal_to_a_chain_attaches_one_token_short(model: Model) -> None:
 def test_match_len_touches_nothing(tiny) -> None:
     model = Model(tiny("llama"))
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=2)
+    kv = KvManager(pool, cache)
     prompt = model.tokenize(SYSTEM + " and more", add_special=True)
-    a = pool.new_session()
-    pool.eval(a, prompt)
+    a = kv.new_session()
+    kv.eval(a, prompt)
     cache.insert(a, a.tokens, preview="a")
     pool.end_session(a)
     before = (cache.view("")["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
@@ -118,8 +122,8 @@ def test_match_len_touches_nothing(tiny) -> None:
     assert cache.match_len(PrefixKey("", prompt + [5, 6, 7])) > 0
     after = (cache.view("")["chains"], [(e.hits, e.last_access) for e in cache.store._entries.values()])
     assert after == before
-    b = pool.new_session()
-    cache.attach(b, PrefixKey("", prompt))
+    b = kv.new_session()
+    kv.attach(b, PrefixKey("", prompt))
     assert cache.view("")["chains"][0]["hits"] == 1  # attach, unlike match_len, counts
     pool.end_session(b)
     cache.release()
@@ -130,14 +134,15 @@ def test_match_len_touches_nothing(tiny) -> None:
 def test_shared_pages_are_held_once_and_release_frees_every_byte(tiny) -> None:
     model = Model(tiny("llama"))
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=2)
+    kv = KvManager(pool, cache)
     base = model.tokenize(SYSTEM, add_special=True)
     for i in range(6):  # branches off a shared trunk, some sharing more than others
         tokens = base[: 20 + 9 * i] + model.tokenize(f" branch {i} " * (i + 1), add_special=False)
-        s = pool.new_session()
+        s = kv.new_session()
         if cache.match_len(PrefixKey("", tokens)):
-            cache.attach(s, PrefixKey("", tokens))
+            kv.attach(s, PrefixKey("", tokens))
             assert _positions(pool, s) == (0, s.n_past - 1)  # exactly the attached rows, nothing after
-        pool.eval(s, tokens[s.n_past :])
+        kv.eval(s, tokens[s.n_past :])
         cache.insert(s, s.tokens)
         pool.end_session(s)
         assert 0 < cache.bytes_used == cache.stats().held_bytes <= cache.budget_bytes
@@ -154,8 +159,9 @@ def test_shared_pages_are_held_once_and_release_frees_every_byte(tiny) -> None:
 def test_closing_a_pool_with_a_live_session_is_an_error(tiny) -> None:
     model = Model(tiny("llama"))
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2)
-    s = pool.new_session()
-    pool.eval(s, list(range(10, 10 + 2 * PAGE + 3)))
+    kv = KvManager(pool, cache)
+    s = kv.new_session()
+    kv.eval(s, list(range(10, 10 + 2 * PAGE + 3)))
     with pytest.raises(RuntimeError, match="end them"):
         pool.close()
     pool.end_session(s)
@@ -169,23 +175,24 @@ def test_a_stream_keeps_its_rows_for_the_next_turn(tiny) -> None:
     one that shares part of it keeps that part (the rest is cut); equality with scratch both times."""
     model = Model(tiny("llama"))
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=512, n_streams=3)
+    kv = KvManager(pool, cache)
     turn1 = model.tokenize(SYSTEM + " First question?", add_special=True)
-    a = pool.new_session(PrefixKey("", turn1))
-    answer = _generate(pool, a, turn1, 5)
+    a = kv.new_session(PrefixKey("", turn1))
+    answer = _generate(kv, a, turn1, 5)
     pool.end_session(a)
     turn2 = turn1 + answer + model.tokenize(" Second question?", add_special=False)
-    b = pool.new_session(PrefixKey("", turn2))
+    b = kv.new_session(PrefixKey("", turn2))
     assert b.seq == a.seq and b.n_past == len(turn1) + len(answer)  # kept in place: only the new tail to evaluate
     assert pool.inplace_reuses == 1 and pool.inplace_tokens == b.n_past
-    in_place = _generate(pool, b, turn2[b.n_past :], 6)
+    in_place = _generate(kv, b, turn2[b.n_past :], 6)
     pool.end_session(b)
     other = turn1[:30] + [7, 8, 9]
-    c = pool.new_session(PrefixKey("", other))
+    c = kv.new_session(PrefixKey("", other))
     assert c.n_past == 30 and _positions(pool, c) == (0, 29)  # cut back to what it shares
-    cut = _generate(pool, c, other[30:], 6)
+    cut = _generate(kv, c, other[30:], 6)
     pool.end_session(c)
-    assert in_place == _from_scratch(pool, turn2, 6)
-    assert cut == _from_scratch(pool, other, 6)
+    assert in_place == _from_scratch(kv, turn2, 6)
+    assert cut == _from_scratch(kv, other, 6)
     assert pool.resident_match(PrefixKey("", [1, 2, 3])) == 0 and pool.inplace_reuses == 2
     pool.close()
     model.close()
@@ -196,12 +203,13 @@ def test_new_sessions_keep_live_streams_in_a_run(tiny) -> None:
     one: llama.cpp puts sequences into one ubatch only while their ids run consecutively."""
     model = Model(tiny("llama"))
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=6)
+    kv = KvManager(pool, cache)
     prompt = model.tokenize(SYSTEM, add_special=True)
-    sessions = [pool.new_session() for _ in range(4)]
+    sessions = [kv.new_session() for _ in range(4)]
     assert [s.seq for s in sessions] == [0, 1, 2, 3]  # empty streams from the first
-    pool.eval(sessions[1], prompt)
+    kv.eval(sessions[1], prompt)
     pool.end_session(sessions[1])  # stream 1 keeps its rows, streams 4 and 5 are empty
-    fresh = pool.new_session(PrefixKey("", [9, 9, 9]))
+    fresh = kv.new_session(PrefixKey("", [9, 9, 9]))
     assert fresh.seq == 1 and fresh.n_past == 0  # the gap is filled; its rows went
     assert _positions(pool, fresh) == (-1, -1)
     for s in (sessions[0], fresh, sessions[2], sessions[3]):
@@ -265,11 +273,12 @@ def test_pages_go_least_recently_used_first(tiny) -> None:
     prompts = [model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 12, add_special=True)
                for i in range(4)]
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, budget_bytes=1 << 30)
-    _donate(pool, cache, prompts[0])
+    kv = KvManager(pool, cache)
+    _donate(kv, cache, prompts[0])
     one = cache.bytes_used
     cache.store.budget_bytes = 2 * one  # room for two donations (each as long as the first)
     for prompt in prompts[1:]:
-        _donate(pool, cache, prompt)
+        _donate(kv, cache, prompt)
         assert cache.bytes_used <= cache.budget_bytes
     cached = [cache.match_len(PrefixKey("", prompt)) for prompt in prompts]
     assert cached[-1] > 0 and cached[-2] > 0  # the newest survive
@@ -285,9 +294,10 @@ def test_each_namespace_is_a_tree_of_its_own_kept_while_it_has_pages(tiny) -> No
     model = Model(tiny("llama"))
     prompt = model.tokenize(SYSTEM, add_special=True)
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, budget_bytes=1 << 30)
+    kv = KvManager(pool, cache)
     for namespace in ("tenant:a", "tenant:b"):
-        session = pool.new_session(PrefixKey(namespace))
-        pool.eval(session, prompt)
+        session = kv.new_session(PrefixKey(namespace))
+        kv.eval(session, prompt)
         cache.insert(session, session.tokens)
         pool.end_session(session)
     one = cache.bytes_used // 2
@@ -295,9 +305,9 @@ def test_each_namespace_is_a_tree_of_its_own_kept_while_it_has_pages(tiny) -> No
     assert cache.held_pages == 2 * (len(prompt) // PAGE) and cache.match_len(PrefixKey("", prompt)) == 0
     assert [len(cache.view(ns)["chains"]) for ns in ("tenant:a", "tenant:b", "")] == [1, 1, 0]
     assert cache.view("tenant:a")["held_bytes"] == one
-    reader = pool.new_session(PrefixKey("tenant:b"))
+    reader = kv.new_session(PrefixKey("tenant:b"))
     with pytest.raises(ValueError):
-        cache.attach(reader, PrefixKey("tenant:a", prompt))
+        kv.attach(reader, PrefixKey("tenant:a", prompt))
     pool.end_session(reader)
     cache.store.evict(one)  # one namespace's worth: the least recently used tree goes, root and all
     assert set(cache.tree.roots) == {"tenant:b"} and cache.match_len(PrefixKey("tenant:a", prompt)) == 0
@@ -311,15 +321,16 @@ def test_cold_pages_go_before_hot_ones(tiny) -> None:
     """Pages no attach has hit (cold) go before pages that were reused, however long ago those were used."""
     model = Model(tiny("llama"))
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=256, n_streams=2, budget_bytes=1 << 30)
+    kv = KvManager(pool, cache)
     shared = model.tokenize("A shared system prompt: " + "rules and rules " * 12, add_special=True)
-    _donate(pool, cache, shared)
+    _donate(kv, cache, shared)
     cache.store.budget_bytes = 3 * cache.bytes_used
-    reader = pool.new_session()
-    hot = cache.attach(reader, PrefixKey("", shared + [5]))
+    reader = kv.new_session()
+    hot = kv.attach(reader, PrefixKey("", shared + [5]))
     pool.end_session(reader)
     assert hot >= 2 * PAGE
     for i in range(8):
-        _donate(pool, cache, model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 8, add_special=True))
+        _donate(kv, cache, model.tokenize(f"Distinct prompt number {i}: " + "filler words " * 8, add_special=True))
         assert cache.match_len(PrefixKey("", shared + [5])) == hot
         assert cache.bytes_used <= cache.budget_bytes
     assert cache.stats().evicted_pages > 0 and cache.tree.n_cold > 0

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import engine, greedy, run
 from kvserve.cache import StreamPool
+from kvserve.scheduler.kv_manager import KvManager
 from kvserve.cache.chat_marks import MarkKind, mark_messages
 from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
@@ -55,22 +56,23 @@ def _pool(model: Model, swa_full: bool = True, budget: int = 64 << 20) -> tuple[
     return StreamPool(ctx, on_end=cache.unlock), cache
 
 
-def _next(pool: StreamPool, session: Session, tail: list[int]) -> tuple[list[int], np.ndarray]:
+def _next(kv: KvManager, session: Session, tail: list[int]) -> tuple[list[int], np.ndarray]:
     """Evaluate `tail` after what the session holds, then N_OUT greedy tokens; and the first logprobs."""
-    logits = pool.eval(session, tail).astype(np.float64)
+    logits = kv.eval(session, tail).astype(np.float64)
     first = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
     out = []
     for _ in range(N_OUT):
         out.append(int(np.argmax(logits)))
-        logits = pool.eval(session, [out[-1]])
+        logits = kv.eval(session, [out[-1]])
     return out, first
 
 
 def _scratch(model: Model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
     pool, cache = _pool(model)
-    session = pool.new_session()
+    kv = KvManager(pool, cache)
+    session = kv.new_session()
     try:
-        return _next(pool, session, prompt)
+        return _next(kv, session, prompt)
     finally:
         pool.end_session(session)
         pool.close()
@@ -88,10 +90,10 @@ def _window_held(pool: StreamPool, seq: int, n: int) -> None:
     assert pool.ctx.seq_pos_min(seq) <= max(0, n - TINY_SWA + 1)
 
 
-def _run_conversation(pool: StreamPool, prompt: list[int]) -> Session:
-    session = pool.new_session(PrefixKey("", prompt))
-    _next(pool, session, prompt[session.n_past :])
-    pool.end_session(session)
+def _run_conversation(kv: KvManager, prompt: list[int]) -> Session:
+    session = kv.new_session(PrefixKey("", prompt))
+    _next(kv, session, prompt[session.n_past :])
+    kv.pool.end_session(session)
     return session
 
 
@@ -99,9 +101,10 @@ def _run_conversation(pool: StreamPool, prompt: list[int]) -> Session:
 
 
 def test_a_stream_is_cut_back_in_place_only_while_it_holds_the_window(gemma: Model) -> None:
-    pool, _ = _pool(gemma, swa_full=False)
+    pool, cache = _pool(gemma, swa_full=False)
+    kv = KvManager(pool, cache)
     held = _tokens(400, 1)
-    first = _run_conversation(pool, held)
+    first = _run_conversation(kv, held)
     pos_min = pool.ctx.seq_pos_min(first.seq)
     assert 0 < pos_min  # the stream no longer holds its earliest sliding-window rows
     near, far = 380, 100  # cut points: the window before 380 is held, the one before 100 is not
@@ -109,16 +112,16 @@ def test_a_stream_is_cut_back_in_place_only_while_it_holds_the_window(gemma: Mod
 
     prompt = held[:near] + _tokens(20, 2)
     assert pool.resident_match(PrefixKey("", prompt)) == near
-    session = pool.new_session(PrefixKey("", prompt))
+    session = kv.new_session(PrefixKey("", prompt))
     assert session.seq == first.seq and session.n_past == near
     _window_held(pool, session.seq, near)
-    got = _next(pool, session, prompt[near:])
+    got = _next(kv, session, prompt[near:])
     pool.end_session(session)
     _assert_as_scratch(got, _scratch(gemma, prompt))
 
     prompt = held[:far] + _tokens(20, 3)
     assert pool.resident_match(PrefixKey("", prompt)) == 0  # refused: the token at 100 would miss rows 69..pos_min-1
-    session = pool.new_session(PrefixKey("", prompt))
+    session = kv.new_session(PrefixKey("", prompt))
     assert session.n_past == 0
     pool.end_session(session)
     pool.close()
@@ -127,15 +130,16 @@ def test_a_stream_is_cut_back_in_place_only_while_it_holds_the_window(gemma: Mod
 def test_a_full_size_window_cache_cuts_back_anywhere(gemma: Model) -> None:
     """llama.cpp's default (swa_full): a stream's sliding-window cells are overwritten only when it has no
     free cell left, so a stream keeps every row and any common prefix is kept in place."""
-    pool, _ = _pool(gemma)
+    pool, cache = _pool(gemma)
+    kv = KvManager(pool, cache)
     held = _tokens(400, 1)
-    first = _run_conversation(pool, held)
+    first = _run_conversation(kv, held)
     assert pool.ctx.seq_pos_min(first.seq) == 0
     prompt = held[:100] + _tokens(20, 3)
-    session = pool.new_session(PrefixKey("", prompt))
+    session = kv.new_session(PrefixKey("", prompt))
     assert session.seq == first.seq and session.n_past == 100
     _window_held(pool, session.seq, 100)
-    got = _next(pool, session, prompt[100:])
+    got = _next(kv, session, prompt[100:])
     pool.end_session(session)
     _assert_as_scratch(got, _scratch(gemma, prompt))
     pool.close()
@@ -144,52 +148,54 @@ def test_a_full_size_window_cache_cuts_back_anywhere(gemma: Model) -> None:
 # -- the window kept with the pages at a mark ----------------------------------------------------------
 
 
-def _donated_at_the_end(pool: StreamPool, cache: PageCache, prompt: list[int]) -> None:
+def _donated_at_the_end(kv: KvManager, cache: PageCache, prompt: list[int]) -> None:
     """A request with no stop: served whole, its pages donated when it ends (without the window
     before its last n_swa positions)."""
-    session = pool.new_session()
-    _next(pool, session, prompt)
+    session = kv.new_session()
+    _next(kv, session, prompt)
     cache.insert(session, session.tokens)
-    pool.end_session(session)
+    kv.pool.end_session(session)
 
 
-def _stop_at(pool: StreamPool, cache: PageCache, prompt: list[int], stop: int) -> None:
+def _stop_at(kv: KvManager, cache: PageCache, prompt: list[int], stop: int) -> None:
     """A prefill that stops at `stop` to keep the window there, then runs to its end."""
-    session = pool.new_session()
-    pool.eval(session, prompt[:stop])
+    session = kv.new_session()
+    kv.eval(session, prompt[:stop])
     cache.insert(session, session.tokens, kind=MarkKind.OPENING)
-    _next(pool, session, prompt[stop:])
+    _next(kv, session, prompt[stop:])
     cache.insert(session, session.tokens)
-    pool.end_session(session)
+    kv.pool.end_session(session)
 
 
-def _attach_in_another_stream(pool: StreamPool, cache: PageCache, prompt: list[int], n: int):
-    session = pool.new_session()
-    assert cache.attach(session, PrefixKey("", prompt)) == n
-    _window_held(pool, session.seq, n)
-    got = _next(pool, session, prompt[n:])
-    pool.end_session(session)
+def _attach_in_another_stream(kv: KvManager, cache: PageCache, prompt: list[int], n: int):
+    session = kv.new_session()
+    assert kv.attach(session, PrefixKey("", prompt)) == n
+    _window_held(kv.pool, session.seq, n)
+    got = _next(kv, session, prompt[n:])
+    kv.pool.end_session(session)
     return got
 
 
 def test_a_window_kept_at_a_mark_is_attached_in_another_stream(gemma: Model) -> None:
     pool, cache = _pool(gemma)
+    kv = KvManager(pool, cache)
     system, stop = _tokens(203, 4), 192  # the mark falls inside a page: the stop is the boundary before it
     prompt_a, prompt_b = system + _tokens(30, 5), system + _tokens(25, 6)
     assert cache.checkpoint_at(Session(0), prompt_a, 0, len(system)) == stop
-    _stop_at(pool, cache, prompt_a, stop)
+    _stop_at(kv, cache, prompt_a, stop)
     assert cache.windows_filled == 0  # new pages carry the window's rows as read
     assert cache.match_len(PrefixKey("", prompt_b)) == stop
     assert cache.checkpoint_at(Session(0), prompt_b, 0, len(system)) == 0  # nothing left to keep there
-    _assert_as_scratch(_attach_in_another_stream(pool, cache, prompt_b, stop), _scratch(gemma, prompt_b))
+    _assert_as_scratch(_attach_in_another_stream(kv, cache, prompt_b, stop), _scratch(gemma, prompt_b))
     cache.release()
     pool.close()
 
 
 def test_without_a_stop_the_prefix_is_refused(gemma: Model) -> None:
     pool, cache = _pool(gemma)
+    kv = KvManager(pool, cache)
     system = _tokens(203, 4)
-    _donated_at_the_end(pool, cache, system + _tokens(30, 5))
+    _donated_at_the_end(kv, cache, system + _tokens(30, 5))
     assert cache.match_len(PrefixKey("", system + _tokens(25, 6))) == 0  # the pages lack the window before 192
     cache.release()
     pool.close()
@@ -199,13 +205,14 @@ def test_a_window_is_read_alone_into_pages_already_cached(gemma: Model) -> None:
     """Pages cached without the window (donated from a longer prompt's end) get it from a PARTIAL_ONLY
     read when a later prefill stops there; those pages grow by exactly the window's rows."""
     pool, cache = _pool(gemma)
+    kv = KvManager(pool, cache)
     system, stop = _tokens(203, 4), 192
-    _donated_at_the_end(pool, cache, system + _tokens(30, 5))
+    _donated_at_the_end(kv, cache, system + _tokens(30, 5))
     path = cache.tree.match(PrefixKey("", system), stop // PAGE)
     before = sum(cache.store.peek(node).nbytes for node in path)
     assert cache.match_len(PrefixKey("", system + _tokens(25, 6))) == 0
 
-    _stop_at(pool, cache, system + _tokens(40, 7), stop)
+    _stop_at(kv, cache, system + _tokens(40, 7), stop)
     assert cache.windows_filled == 1
     swa_row = cache.rows._layout[1].width  # a position's rows in every sliding-window layer, and its metadata
     added = sum(cache.store.peek(node).nbytes for node in path) - before
@@ -214,15 +221,16 @@ def test_a_window_is_read_alone_into_pages_already_cached(gemma: Model) -> None:
 
     prompt_b = system + _tokens(25, 6)
     assert cache.match_len(PrefixKey("", prompt_b)) == stop
-    _assert_as_scratch(_attach_in_another_stream(pool, cache, prompt_b, stop), _scratch(gemma, prompt_b))
+    _assert_as_scratch(_attach_in_another_stream(kv, cache, prompt_b, stop), _scratch(gemma, prompt_b))
     cache.release()
     pool.close()
 
 
 def test_a_window_that_does_not_fit_the_budget_is_not_kept(gemma: Model) -> None:
     pool, cache = _pool(gemma, budget=1)
+    kv = KvManager(pool, cache)
     system = _tokens(203, 4)
-    _stop_at(pool, cache, system + _tokens(30, 5), 192)
+    _stop_at(kv, cache, system + _tokens(30, 5), 192)
     assert cache.bytes_used == 0 and cache.match_len(PrefixKey("", system + _tokens(25, 6))) == 0
     pool.close()
 
@@ -277,15 +285,16 @@ def test_conversations_on_one_system_prompt_attach_it(tiny, answers_alone: list[
 
 def test_a_cut_past_the_window_fails_the_comparison(gemma: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(StreamPool, "can_cut", lambda self, seq, n: True)  # ignores pos_min
-    pool, _ = _pool(gemma, swa_full=False)
+    pool, cache = _pool(gemma, swa_full=False)
+    kv = KvManager(pool, cache)
     held = _tokens(400, 1)
-    _run_conversation(pool, held)
+    _run_conversation(kv, held)
     prompt = held[:100] + _tokens(20, 3)
-    session = pool.new_session(PrefixKey("", prompt))
+    session = kv.new_session(PrefixKey("", prompt))
     assert session.n_past == 100  # cut back although the stream lacks the window's rows
     with pytest.raises(AssertionError):
         _window_held(pool, session.seq, 100)  # llama.cpp's positions say so
-    got = _next(pool, session, prompt[100:])
+    got = _next(kv, session, prompt[100:])
     pool.end_session(session)
     with pytest.raises(AssertionError):
         _assert_as_scratch(got, _scratch(gemma, prompt))
@@ -303,12 +312,13 @@ def test_a_window_one_position_off_fails_the_comparison(gemma: Model, monkeypatc
 
     monkeypatch.setattr(SeqState, "read_window", shifted)
     pool, cache = _pool(gemma)
+    kv = KvManager(pool, cache)
     system = _tokens(203, 4)
-    _donated_at_the_end(pool, cache, system + _tokens(30, 5))
-    _stop_at(pool, cache, system + _tokens(40, 7), 192)
+    _donated_at_the_end(kv, cache, system + _tokens(30, 5))
+    _stop_at(kv, cache, system + _tokens(40, 7), 192)
     assert cache.windows_filled == 1
     prompt_b = system + _tokens(25, 6)
     with pytest.raises(AssertionError):
-        _assert_as_scratch(_attach_in_another_stream(pool, cache, prompt_b, 192), _scratch(gemma, prompt_b))
+        _assert_as_scratch(_attach_in_another_stream(kv, cache, prompt_b, 192), _scratch(gemma, prompt_b))
     cache.release()
     pool.close()

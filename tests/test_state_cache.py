@@ -13,6 +13,7 @@ from conftest import engine, greedy, run
 from kvserve.cache import (
     MarkKind, PrefixKey, StateCache, add_assistant, add_user, create_chat_renderer, create_kv_pool, render_turn_marked,
 )
+from kvserve.scheduler.kv_manager import KvManager
 from kvserve.cache.chat_marks import mark_messages
 from kvserve.llama.model import Model
 
@@ -20,11 +21,11 @@ STATE_ARCHS = ("lfm2", "mamba")
 SYSTEM = "You are a terse assistant for a shipping company. Answer in one sentence about parcels and routes."
 
 
-def _greedy(pool, session, logits: np.ndarray, n: int) -> list[int]:
+def _greedy(kv: KvManager, session, logits: np.ndarray, n: int) -> list[int]:
     out = []
     for _ in range(n):
         out.append(int(np.argmax(logits)))
-        logits = pool.eval(session, [out[-1]])
+        logits = kv.eval(session, [out[-1]])
     return out
 
 
@@ -32,16 +33,17 @@ def _greedy(pool, session, logits: np.ndarray, n: int) -> list[int]:
 def test_restored_checkpoint_equals_scratch_by_hand(tiny, arch: str) -> None:
     model = Model(tiny(arch))
     pool, cache = create_kv_pool(model, 16, n_ctx_seq=512, n_streams=3, max_states=4, budget_bytes=1 << 20)
+    kv = KvManager(pool, cache)
     assert isinstance(cache, StateCache)
     chat_a = create_chat_renderer(model, SYSTEM)
     add_user(chat_a, "Where is parcel 17?")
     turn_a = render_turn_marked(model, chat_a)
-    a = pool.new_session()
+    a = kv.new_session()
     stop = cache.checkpoint_at(a, turn_a.tokens, 0, turn_a.opening)
     assert stop == turn_a.opening > 16
-    pool.eval(a, turn_a.tokens[:stop])
+    kv.eval(a, turn_a.tokens[:stop])
     cache.insert(a, a.tokens, kind=MarkKind.OPENING)  # between two evals: the state where A stands
-    _greedy(pool, a, pool.eval(a, turn_a.tokens[stop:]), 4)
+    _greedy(kv, a, kv.eval(a, turn_a.tokens[stop:]), 4)
     pool.end_session(a)
 
     chat_b = create_chat_renderer(model, SYSTEM)
@@ -49,13 +51,13 @@ def test_restored_checkpoint_equals_scratch_by_hand(tiny, arch: str) -> None:
     turn_b = render_turn_marked(model, chat_b)
     assert turn_b.opening == turn_a.opening  # the opening does not depend on the question
     assert cache.match_len(PrefixKey("", turn_b.tokens)) == turn_b.opening
-    b = pool.new_session()
-    assert cache.attach(b, PrefixKey("", turn_b.tokens)) == turn_b.opening
+    b = kv.new_session()
+    assert kv.attach(b, PrefixKey("", turn_b.tokens)) == turn_b.opening
     assert cache.checkpoint_at(b, turn_b.tokens, b.n_past, turn_b.opening) == 0  # already cached there
-    restored = _greedy(pool, b, pool.eval(b, turn_b.tokens[b.n_past :]), 12)
+    restored = _greedy(kv, b, kv.eval(b, turn_b.tokens[b.n_past :]), 12)
     pool.end_session(b)
-    scratch = pool.new_session()
-    assert _greedy(pool, scratch, pool.eval(scratch, turn_b.tokens), 12) == restored
+    scratch = kv.new_session()
+    assert _greedy(kv, scratch, kv.eval(scratch, turn_b.tokens), 12) == restored
     pool.end_session(scratch)
     assert cache.view("")["checkpoints"][0]["kind"] == "opening" and cache.view("")["checkpoints"][0]["hits"] == 1
     cache.release()
@@ -84,20 +86,21 @@ def _checkpoints_stay_in_their_namespace(path) -> None:
     """A checkpoint (and the stream it was taken in) serves only keys of its own namespace."""
     model = Model(path)
     pool, cache = create_kv_pool(model, 16, n_ctx_seq=512, n_streams=2, max_states=4, budget_bytes=1 << 20)
+    kv = KvManager(pool, cache)
     chat = create_chat_renderer(model, SYSTEM)
     add_user(chat, "Where is parcel 17?")
     turn = render_turn_marked(model, chat)
     key_a, key_b = PrefixKey("tenant:a", turn.tokens), PrefixKey("tenant:b", turn.tokens)
-    a = pool.new_session(PrefixKey("tenant:a"))
-    pool.eval(a, turn.tokens[: turn.opening])
+    a = kv.new_session(PrefixKey("tenant:a"))
+    kv.eval(a, turn.tokens[: turn.opening])
     cache.insert(a, a.tokens, kind=MarkKind.OPENING)
     pool.end_session(a)
     assert cache.match_len(key_a) == pool.resident_match(key_a) == turn.opening
     assert cache.match_len(key_b) == pool.resident_match(key_b) == 0
-    b = pool.new_session(PrefixKey("tenant:b"))
-    assert cache.attach(b, key_b) == 0 and b.tokens == []
+    b = kv.new_session(PrefixKey("tenant:b"))
+    assert kv.attach(b, key_b) == 0 and b.tokens == ()
     with pytest.raises(ValueError):
-        cache.attach(b, key_a)  # a session reads only its own namespace's rows
+        kv.attach(b, key_a)  # a session reads only its own namespace's rows
     assert cache.checkpoint_at(b, turn.tokens, 0, turn.opening) == turn.opening  # B has none there yet
     assert cache.view("tenant:b")["checkpoints"] == [] and len(cache.view("tenant:a")["checkpoints"]) == 1
     pool.end_session(b)
@@ -109,10 +112,11 @@ def _checkpoints_stay_in_their_namespace(path) -> None:
 def test_attention_models_take_no_checkpoints(tiny) -> None:
     model = Model(tiny("llama"))
     pool, cache = create_kv_pool(model, 16, n_ctx_seq=256, n_streams=2)
+    kv = KvManager(pool, cache)
     chat = create_chat_renderer(model, SYSTEM)
     add_user(chat, "hello")
     turn = render_turn_marked(model, chat)
-    session = pool.new_session()
+    session = kv.new_session()
     assert all(cache.checkpoint_at(session, turn.tokens, 0, mark.position) == 0 for mark in turn.checkpoint_marks())
     pool.end_session(session)
     cache.release()
@@ -167,8 +171,8 @@ def test_flood_keeps_the_budget_and_evicts_conversations_first(tiny, arch: str) 
         systems = [SYSTEM, "You are a poet who answers in rhymes about the sea, the wind and ships."]
         longest, _ = _chat_request(e, [{"role": "system", "content": systems[1]},
                                        {"role": "user", "content": "Question number 11: what happened on day 77?"}])
-        probe = e.pool.new_session()
-        e.pool.eval(probe, longest.prompt + [5, 5])
+        probe = e.scheduler.kv.new_session()
+        e.scheduler.kv.eval(probe, longest.prompt + [5, 5])
         state_size = e.pool.ctx.state_size(probe.seq)  # a hybrid's state holds its attention rows: the largest
         e.pool.end_session(probe)
         # Room for four states: two openings, the running turn's locked close, and its end-of-turn,

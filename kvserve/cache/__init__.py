@@ -1,17 +1,19 @@
 """The prefix cache as a library, usable by hand to drive one's own scheduler.
 
     pool, cache = create_kv_pool(model, page_rows=16)   # a stream per session; pages in host memory
-    a = pool.new_session(); pool.eval(a, prompt_a); cache.insert(a, a.tokens, preview="A")
+    kv = KvManager(pool, cache)                          # kvserve.scheduler.kv_manager: what streams hold
+    a = kv.new_session(); kv.eval(a, prompt_a); cache.insert(a, a.tokens, preview="A")
     key_b = PrefixKey("", prompt_b)      # "" is the shared namespace
     cache.match_len(key_b)                # how much of B is cached; touches nothing
-    b = pool.new_session(); cache.attach(b, key_b); pool.eval(b, prompt_b[b.n_past:])
+    b = kv.new_session(); kv.attach(b, key_b); kv.eval(b, prompt_b[b.n_past:])
     cache.view(""); cache.stats()
     pool.end_session(a); pool.end_session(b); cache.release(); pool.close()
 
-`pool.new_session(key)` instead places the session in place: in the idle stream of `key`'s
+`kv.new_session(key)` instead places the session in place: in the idle stream of `key`'s
 namespace that still holds the longest prefix of its tokens, which it keeps. A session's namespace
 (its key's, at `new_session`) is what it may attach and what it donates to: a key of another
-namespace never matches its rows.
+namespace never matches its rows. A session's tokens are read-only: the pool and the caches move
+rows and say what they kept or restored, and only the `KvManager` records it.
 
 Models that carry state (Mamba, LFM2, hybrids) get checkpoints instead of pages: render the chat
 with `render_turn_marked`, ask `cache.checkpoint_at` where a mark is worth stopping the prefill,

@@ -9,6 +9,9 @@ stream's rows belong to the namespace of the session that computed them.
 Invariants (checked by tests through llama.cpp's own positions):
 - a stream holds exactly its live session's `tokens`, or, idle, its `resident` tokens: positions
   `0 .. len-1`, nothing else;
+- a session's tokens are read-only here and everywhere but in `KvManager`, which alone writes
+  them (`Session._in_stream`), as it places, attaches, forks, evaluates and cuts; the pool places
+  sessions and moves rows, and says what a new session kept in place (`open`);
 - a stream is either live (one session) or idle; sessions never exceed the streams;
 - a session is placed only in a stream whose resident rows are of its own namespace, and a fork
   takes its parent's namespace with its rows;
@@ -23,11 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-import numpy as np
-
 from kvserve.cache.page_tree import tick
 from kvserve.cache.prefix_key import PrefixKey
-from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context
 
 
@@ -38,15 +38,20 @@ class PoolExhausted(RuntimeError):
 @dataclass(eq=False)
 class Session:
     """One sequence: its stream's id, the tokens the stream holds, in order, and the namespace they
-    were computed under (what it may attach, keep in place and donate)."""
+    were computed under (what it may attach, keep in place and donate). `KvManager` alone writes
+    the tokens; everyone else reads them as a tuple."""
 
     seq: int
-    tokens: list[int] = field(default_factory=list)
     namespace: str = ""
+    _in_stream: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._in_stream)
 
     @property
     def n_past(self) -> int:
-        return len(self.tokens)
+        return len(self._in_stream)
 
 
 @dataclass(eq=False)
@@ -94,10 +99,13 @@ class KvPool(Protocol):
         Touches nothing."""
         ...
 
-    def new_session(self, key: PrefixKey | None = None) -> Session: ...
-
     def held(self, seq: int) -> list[int]:
         """The tokens stream `seq` holds: its live session's, or an idle stream's resident ones."""
+        ...
+
+    def open(self, key: PrefixKey | None = None) -> tuple[Session, int]:
+        """A new session for `key` and how many of its leading tokens its stream kept in place
+        (`KvManager.new_session` records them)."""
         ...
 
     def namespaces(self) -> set[str]: ...
@@ -107,8 +115,6 @@ class KvPool(Protocol):
     def fork(self, parent: Session, child: Session) -> None: ...
 
     def end_session(self, session: Session) -> None: ...
-
-    def eval(self, session: Session, tokens: list[int]) -> np.ndarray: ...
 
     def close(self) -> None: ...
 
@@ -158,7 +164,7 @@ class StreamPool:
 
     @property
     def used_cells(self) -> int:
-        return sum(len(s.session.tokens if s.session else s.resident) for s in self.streams)
+        return sum(s.session.n_past if s.session else len(s.resident) for s in self.streams)
 
     @property
     def live_sessions(self) -> int:
@@ -217,15 +223,16 @@ class StreamPool:
 
     def held(self, seq: int) -> list[int]:
         stream = self.streams[seq]
-        return stream.session.tokens if stream.session else stream.resident
+        return list(stream.session.tokens) if stream.session else stream.resident
 
-    def new_session(self, key: PrefixKey | None = None) -> Session:
+    def open(self, key: PrefixKey | None = None) -> tuple[Session, int]:
         """A session of `key`'s namespace (default: the shared one), in the idle stream of that
         namespace that holds the longest prefix of `key` (kept in place), else in the idle stream
         beside the most live ones, then an empty one, then the least recently used (whose rows go;
         pages the prefix cache took of them stay). Live ids in runs matter more than those rows:
         llama.cpp puts sequences into one ubatch only while their ids run consecutively, and each
-        ubatch reads every weight again."""
+        ubatch reads every weight again. Returns it, empty, and how many leading tokens of `key`
+        its stream kept in place, which `KvManager.new_session` records as the session's."""
         key = key or PrefixKey("")
         stream, n = self._best(key) if key.tokens and self.reuse else (None, 0)
         if stream is None:
@@ -238,7 +245,6 @@ class StreamPool:
         session = Session(seq=stream.seq, namespace=key.namespace)
         if n:
             self.ctx.seq_rm(stream.seq, n, -1)
-            session.tokens = stream.resident[:n]
             self.inplace_reuses += 1
             self.inplace_tokens += n
         else:
@@ -246,7 +252,7 @@ class StreamPool:
         stream.resident = []
         stream.session = session
         stream.last_used = tick()
-        return session
+        return session, n
 
     def _clear(self, stream: Stream) -> None:
         if stream.resident:
@@ -256,10 +262,9 @@ class StreamPool:
     # -- sessions -----------------------------------------------------------------------------------
 
     def fork(self, parent: Session, child: Session) -> None:
-        """Make `child` a copy of `parent`: the whole stream is copied (at the next decode), and the
-        rows stay of the parent's namespace."""
+        """Copy `parent`'s whole stream into `child`'s (at the next decode); the rows stay of the
+        parent's namespace. `KvManager.fork` records the tokens."""
         self.ctx.seq_cp(parent.seq, child.seq)
-        child.tokens = list(parent.tokens)
         child.namespace = parent.namespace
 
     def end_session(self, session: Session) -> None:
@@ -269,7 +274,7 @@ class StreamPool:
         if stream.session is not session:
             raise ValueError("not a live session of this pool")
         stream.session = None
-        stream.resident = session.tokens
+        stream.resident = list(session.tokens)
         stream.namespace = session.namespace
         stream.last_used = tick()
         if not self.reuse:
@@ -286,29 +291,6 @@ class StreamPool:
         for stream in self.streams:
             if stream.session is None:
                 self._clear(stream)
-
-    def room(self, session: Session) -> int:
-        """Cells left in the session's stream."""
-        return self.n_ctx_seq - session.n_past
-
-    def eval(self, session: Session, tokens: list[int]) -> np.ndarray:
-        """Decode `tokens` after the session's history, alone; returns a copy of the last logits."""
-        if not tokens:
-            raise ValueError("eval needs at least one token")
-        if len(tokens) > self.room(session):
-            raise PoolExhausted(f"no room for {len(tokens)} tokens in a {self.n_ctx_seq}-cell stream")
-        batch = Batch(self.ctx.n_batch)
-        try:
-            for start in range(0, len(tokens), self.ctx.n_batch):
-                batch.clear()
-                chunk = tokens[start : start + self.ctx.n_batch]
-                for i, token in enumerate(chunk):
-                    batch.add(token, session.n_past + i, session.seq, i == len(chunk) - 1)
-                self.ctx.decode(batch)
-                session.tokens.extend(chunk)
-            return self.ctx.logits(batch.n_tokens - 1).copy()
-        finally:
-            batch.close()
 
     def close(self) -> None:
         """Free the context. Every session must have ended."""

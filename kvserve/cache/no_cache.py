@@ -16,8 +16,8 @@ class NoCache(PrefixCache):
     def match_len(self, key: PrefixKey) -> int:
         return 0
 
-    def attach(self, session: Session, key: PrefixKey) -> int:
-        return 0
+    def attach(self, session: Session, key: PrefixKey) -> list[int]:
+        return []
 
     def gains_from_waiting(self, shared: int, cached: int) -> bool:
         return False  # a running prefill leaves nothing here

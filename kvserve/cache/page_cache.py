@@ -118,21 +118,20 @@ class PageCache(PrefixCache):
         """Tokens `attach` would attach right now. Changes no hit count and no recency."""
         return len(self._match(key)) * self.page_rows
 
-    def attach(self, session: Session, key: PrefixKey) -> int:
+    def attach(self, session: Session, key: PrefixKey) -> list[int]:
         """Set the longest cached run of whole pages of `key` into an empty session's stream."""
         self.check_attachable(session, key)
         path = self._match(key)
         self._queried_tokens += len(key.tokens)
         if not path:
-            return 0
+            return []
         n = len(path) * self.page_rows
         self.rows.attach(session.seq, [self.store.get(node) for node in path], n)
         self._lock(session, path)
-        session.tokens = list(key.tokens[:n])
         self.chains[path[-1].chain_id].hits += 1
         self.tree.hit(path)
         self._hit_tokens += n
-        return n
+        return list(key.tokens[:n])
 
     def gains_from_waiting(self, shared: int, cached: int) -> bool:
         """At least one more whole page to attach (for a sliding-window model, once the running
@@ -160,7 +159,7 @@ class PageCache(PrefixCache):
         the stream. The donated pages stay locked while the session lives. Every page goes least
         recently used first, whatever its `kind`. Pages that do not fit the budget are not kept.
         """
-        if session.tokens[: len(tokens)] != list(tokens):
+        if session.tokens[: len(tokens)] != tuple(tokens):
             raise ValueError("insert takes tokens the session has evaluated, in order")
         chain = self._donate(session, tokens, preview)
         if self.rows.n_swa and len(tokens) == session.n_past and len(tokens) % self.page_rows == 0:
@@ -188,7 +187,7 @@ class PageCache(PrefixCache):
     def _keep_window(self, session: Session, n: int) -> None:
         """Make the pages before `n`, where the session stands, hold the window's rows for position
         `n` (read alone from the stream) unless they do, or the budget cannot take them."""
-        path = self.tree.match(PrefixKey(session.namespace, session.tokens), n // self.page_rows)  # `insert` locked it
+        path = self.tree.match(PrefixKey(session.namespace, list(session.tokens)), n // self.page_rows)  # `insert` locked it
         pages = [self.store.peek(node) for node in path]
         if len(path) * self.page_rows != n or self.rows.restorable(pages, n):
             return

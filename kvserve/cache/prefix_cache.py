@@ -37,9 +37,10 @@ class PrefixCache(ABC):
         """Leading tokens of `key` that `attach` would attach now. Touches nothing."""
 
     @abstractmethod
-    def attach(self, session: Session, key: PrefixKey) -> int:
-        """Attach the longest cached prefix of `key` to an empty session of its namespace, leaving at
-        least one token to evaluate; returns its length."""
+    def attach(self, session: Session, key: PrefixKey) -> list[int]:
+        """Set the longest cached prefix of `key` into an empty session's stream, of its namespace,
+        leaving at least one token to evaluate; returns the tokens it restored, which the caller
+        (`KvManager.attach`) records as the session's."""
 
     @staticmethod
     def check_attachable(session: Session, key: PrefixKey) -> None:

@@ -106,20 +106,19 @@ class StateCache(PrefixCache):
         found = self._match(key)
         return found.position if found else 0
 
-    def attach(self, session: Session, key: PrefixKey) -> int:
+    def attach(self, session: Session, key: PrefixKey) -> list[int]:
         """Set the deepest checkpoint into an empty session's stream."""
         self.check_attachable(session, key)
         self._queried_tokens += len(key.tokens)
         found = self._match(key)
         if found is None:
-            return 0
+            return []
         self.ctx.write_seq_state(session.seq, self.store.get(found))
-        session.tokens = list(found.tokens)
         self._lock(session, found)
         found.hits += 1
         self._restores += 1
         self._hit_tokens += found.position
-        return found.position
+        return list(found.tokens)
 
     def gains_from_waiting(self, shared: int, cached: int) -> bool:
         return shared >= cached + 2 * self.page_rows  # the running prefill may checkpoint a mark in between
@@ -140,9 +139,9 @@ class StateCache(PrefixCache):
         """Record a checkpoint where the session stands (call it between two evals): `tokens` must be
         its whole history; the checkpoint is of the session's namespace. An opening one is evicted
         after every conversation one."""
-        if list(tokens) != session.tokens:
+        if tuple(tokens) != session.tokens:
             raise ValueError("a checkpoint is taken where the session stands: tokens must be its history")
-        held = self._held(session.namespace, session.tokens)
+        held = self._held(session.namespace, list(session.tokens))
         if held is not None:
             self.store.touch(held)
             if kind is MarkKind.OPENING and held.kind is not kind:

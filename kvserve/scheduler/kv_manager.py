@@ -1,16 +1,20 @@
 """The KV side of requests, and the one allocation API the scheduler asks: can this request start
 (`room_for`), place its sequences (`start`), reserve room for the next tokens of one and a draft's
 lookahead (`allocate`), keep what a decode evaluated and cut what verification rejected (`commit`),
-free them (`release`). Nothing else in the scheduler counts KV cells or writes what a stream holds.
+free them (`release`). Nothing else counts KV cells for the scheduler, and nothing else anywhere
+writes what a stream holds (`Session._in_stream`): the pool and the caches move rows and say what
+they kept, attached or copied (`open`, `attach`, `fork`), and the methods under "what a stream
+holds" record it, for the scheduler and for a caller driving sessions by hand (`eval`).
 
 Each sequence has a stream of `n_ctx_seq` cells of its own, so a request fits when its prompt and
 one generated token fit one stream, and a sequence can always grow to the end of its stream.
 Every lookup is by the request's `PrefixKey`, and every session of a request is of its namespace.
 
 Invariants:
-- a session holds exactly the tokens llama.cpp has for its seq id: `start` sets what was kept in
-  place or attached, `commit` appends what a decode evaluated and cuts (`llama_memory_seq_rm`)
-  the rows of draft tokens that verification rejected, nothing else does; so after every step
+- a session holds exactly the tokens llama.cpp has for its seq id: `new_session` and `attach` set
+  what was kept in place or attached, `fork` what was copied, `eval` and `commit` append what a
+  decode evaluated, `commit` cuts (`llama_memory_seq_rm`) the rows of draft tokens that
+  verification rejected; nothing else writes them; so after every step
   `llama_memory_seq_pos_max` of a running sequence is its session's length - 1;
 - a draft model's stream of a seq id holds a prefix of what the target stream of that id holds (plus,
   within a step, the draft): `start`, `fork_waiting_siblings` and `release` trim it to the target
@@ -33,11 +37,14 @@ import enum
 from collections import Counter
 from dataclasses import replace
 
+import numpy as np
+
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
-from kvserve.cache.kv_pool import KvPool, PoolExhausted
+from kvserve.cache.kv_pool import KvPool, PoolExhausted, Session
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.prefix_key import PrefixKey, namespace_kind
+from kvserve.llama.batch import Batch
 from kvserve.scheduler.draft_model import DraftModel
 from kvserve.scheduler.request import Choice, Request
 
@@ -83,7 +90,7 @@ class KvManager:
         try:
             for choice in choices:
                 key = PrefixKey(request.namespace, choice.tokens if choice in placed else [])
-                choice.session = self._place(key) if key.tokens else self.pool.new_session(key)
+                choice.session = self._place(key) if key.tokens else self.new_session(key)
         except PoolExhausted:
             self.release(request, donate=False)
             return False
@@ -103,9 +110,9 @@ class KvManager:
         kept = self.pool.resident_match(key)
         if kept and kept >= self.cache.match_len(key):
             self.inplace_queried += len(key.tokens)
-            return self.pool.new_session(key)
-        session = self.pool.new_session(PrefixKey(key.namespace))
-        self.cache.attach(session, key)
+            return self.new_session(key)
+        session = self.new_session(PrefixKey(key.namespace))
+        self.attach(session, key)
         return session
 
     def stats(self) -> CacheStats:
@@ -154,13 +161,13 @@ class KvManager:
         again from the first (`recomputed` counts it)."""
         session = choice.session
         start = session.n_past
-        session.tokens.extend(choice.tokens[start : start + n_accepted])
+        session._in_stream.extend(choice.tokens[start : start + n_accepted])
         if n_decoded is not None and n_decoded > n_accepted:
             if self.pool.can_cut(session.seq, session.n_past):
                 self.pool.ctx.seq_rm(session.seq, session.n_past, -1)
             else:
                 self.pool.ctx.seq_rm(session.seq)
-                session.tokens.clear()
+                session._in_stream.clear()
                 self.recomputed += 1
         if self.draft is not None:
             self.draft.cut(session.seq, session.n_past)
@@ -181,11 +188,52 @@ class KvManager:
         """The prompt is evaluated: the siblings waiting for it get a copy of the parent's stream."""
         siblings = [c for c in request.state.choices if c.waits_for_fork]
         for sibling in siblings:
-            self.pool.fork(parent.session, sibling.session)
+            self.fork(parent.session, sibling.session)
             sibling.waits_for_fork = False
             sibling.forked = True
             self._follow(sibling.session.seq)
         return siblings
+
+    # -- what a stream holds: the only writes of `Session._in_stream` ------------------------------------------
+
+    def new_session(self, key: PrefixKey | None = None) -> Session:
+        """A session of `key`'s namespace holding what its stream kept in place of `key`
+        (`StreamPool.open`)."""
+        session, kept = self.pool.open(key)
+        session._in_stream[:] = key.tokens[:kept] if key else []
+        return session
+
+    def attach(self, session: Session, key: PrefixKey) -> int:
+        """The cache's longest prefix of `key` set into an empty session; its length."""
+        restored = self.cache.attach(session, key)
+        session._in_stream[:] = restored
+        return len(restored)
+
+    def fork(self, parent: Session, child: Session) -> None:
+        """`child` becomes a copy of `parent`'s stream, of its namespace."""
+        self.pool.fork(parent, child)
+        child._in_stream[:] = parent._in_stream
+
+    def eval(self, session: Session, tokens: list[int]) -> np.ndarray:
+        """Decode `tokens` after the session's history, alone (a caller driving sessions by hand, not
+        the scheduler); returns a copy of the last logits."""
+        if not tokens:
+            raise ValueError("eval needs at least one token")
+        if len(tokens) > self.pool.n_ctx_seq - session.n_past:
+            raise PoolExhausted(f"no room for {len(tokens)} tokens in a {self.pool.n_ctx_seq}-cell stream")
+        ctx = self.pool.ctx
+        batch = Batch(ctx.n_batch)
+        try:
+            for start in range(0, len(tokens), ctx.n_batch):
+                batch.clear()
+                chunk = tokens[start : start + ctx.n_batch]
+                for i, token in enumerate(chunk):
+                    batch.add(token, session.n_past + i, session.seq, i == len(chunk) - 1)
+                ctx.decode(batch)
+                session._in_stream.extend(chunk)
+            return ctx.logits(batch.n_tokens - 1).copy()
+        finally:
+            batch.close()
 
     # -- the end --------------------------------------------------------------------------------------------
 
