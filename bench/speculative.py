@@ -17,7 +17,8 @@ Workloads, greedy, 64 tokens:
 - edit+prediction: the same edit with OpenAI's `prediction` set to the edited code (kvserve only; no
   llama.cpp server honours the field);
 - free: a free-form question, whose answer repeats little;
-- regenerate: the free-form question asked again (the prefix tree holds the earlier answer).
+- regenerate: the free-form question asked again (the prefix tree holds the earlier answer); at 4
+  and 8 users only on kvserve off and auto (the 8-user target's pair), elsewhere at 1 user.
 Every request but regenerate's starts with its own tag, so none finds an earlier answer in the tree.
 At 1 user, 3 requests one after another; at 4 and 8 users, one round of that many requests at once.
 A cell's rate is the median over its requests. The full run is about 20 minutes on 2 quiet cores;
@@ -82,6 +83,7 @@ class Server:
     argv: tuple[str, ...]  # kvserve settings as flags, or llama-server's speculative flags
     workloads: tuple[str, ...]
     fallback: tuple[str, ...] | None = None  # kvserve flags to run with instead when `argv` is refused
+    regenerate_users: tuple[int, ...] = (1,)  # the users at which it runs regenerate (off and auto: all)
 
     @property
     def kvserve(self) -> bool:
@@ -90,11 +92,12 @@ class Server:
 
 def servers(target: Path, draft: Path | None) -> list[Server]:
     md = ("--draft-model", str(draft)) if draft else ()
-    runs = [Server(f"kvserve-{mode}", ("--speculative", mode), KVSERVE_WORKLOADS) for mode in ("off", "ngram", "tree")]
+    runs = [Server("kvserve-off", ("--speculative", "off"), KVSERVE_WORKLOADS, regenerate_users=USERS)]
+    runs += [Server(f"kvserve-{mode}", ("--speculative", mode), KVSERVE_WORKLOADS) for mode in ("ngram", "tree")]
     if draft:
         runs.append(Server("kvserve-draft", ("--speculative", "draft", *md), KVSERVE_WORKLOADS))
     runs.append(Server("kvserve-auto", ("--speculative", "auto", *md), KVSERVE_WORKLOADS,
-                       fallback=("--speculative", "auto") if draft else None))
+                       fallback=("--speculative", "auto") if draft else None, regenerate_users=USERS))
     if llama_server.binary().is_file():
         draft_flags = ("-md", str(draft), "--spec-draft-threads", str(THREADS),
                        "--spec-draft-threads-batch", str(THREADS)) if draft else ()
@@ -178,13 +181,18 @@ class Run:
     def wanted(self, server: str, workload: str, users: int) -> bool:
         return not self.patterns or any(fnmatch.fnmatch(f"{server}/{workload}/{users}", p) for p in self.patterns)
 
+    def cells(self, server: Server, users_levels: tuple[int, ...]) -> list[tuple[str, int]]:
+        """(workload, users) that `server` runs, in order."""
+        return [(w, u) for w in server.workloads for u in users_levels
+                if (w != "regenerate" or u in server.regenerate_users) and self.wanted(server.name, w, u)]
+
     def add(self, row: dict) -> None:
         self.rows.append(row)
         print(json.dumps(row), flush=True)
 
 
 def serve(run: Run, server: Server, model: Path, users_levels: tuple[int, ...]) -> None:
-    cells = [(w, u) for w in server.workloads for u in users_levels if run.wanted(server.name, w, u)]
+    cells = run.cells(server, users_levels)
     if not cells:
         return
     log = RESULTS / f"speculative-{server.name}.log"

@@ -360,3 +360,10 @@ def test_speculative_cells_filter_by_glob_and_draft_cells_need_the_draft_model(t
     alone = [s.name for s in speculative.servers(target, None)]
     assert "kvserve-draft" not in alone and not any("draft-simple" in name for name in alone)
     assert all("--draft-model" not in s.argv for s in speculative.servers(target, None))
+    everything = speculative.Run(None)
+    assert ("regenerate", 8) in everything.cells(with_draft["kvserve-auto"], speculative.USERS)
+    assert ("regenerate", 8) in everything.cells(with_draft["kvserve-off"], speculative.USERS)
+    assert ("regenerate", 8) not in everything.cells(with_draft["kvserve-ngram"], speculative.USERS)
+    assert ("free", 8) in everything.cells(with_draft["kvserve-ngram"], speculative.USERS)
+    assert everything.cells(with_draft["kvserve-ngram"], (1,)) == [(w, 1) for w in speculative.KVSERVE_WORKLOADS]
+    assert run.cells(with_draft["kvserve-ngram"], speculative.USERS) == [("edit", 1)]
