@@ -120,15 +120,19 @@ class Settings(BaseSettings):
     ui: bool = Field(True, description="serve the playground at / and the live cache view at /ui/cache (--no-ui: neither)")
     speculative: Literal["off", "auto", "ngram", "tree", "draft"] = Field(
         "off", description="speculative decoding: auto picks drafters (a request's prediction, the prefix tree, "
-        "n-grams of its own text) and draft lengths from measured acceptance and step cost; ngram and tree draft "
-        "from one source always; draft (a draft model) is not served yet"
+        "n-grams of its own text, then --draft-model where given) and draft lengths from measured acceptance and "
+        "step cost; ngram, tree and draft (the --draft-model) draft from one source always"
+    )
+    draft_model: Path | None = Field(
+        None, description="a GGUF draft model with the served model's vocabulary: drafts for --speculative draft, "
+        "and for auto where its measured acceptance pays for its decodes"
     )
     draft_max: int = Field(8, ge=1, le=64, description="most draft tokens per sequence and step")
     metrics_compat: Literal["vllm"] | None = Field(
         None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
     )
 
-    @field_validator("model", "api_key_file", "chat_template_file")
+    @field_validator("model", "api_key_file", "chat_template_file", "draft_model")
     @classmethod
     def _file_exists(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_file():
@@ -167,8 +171,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _no_draft_model(self) -> "Settings":
-        if self.speculative == "draft":
-            raise ValueError("--speculative draft (a draft model) is not served yet: use auto, ngram or tree")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("--speculative draft needs --draft-model PATH (a GGUF with the model's vocabulary)")
         return self
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ from kvserve.tools.spec import Mode
 DEEPSEEK = ReasoningSyntax(ReasoningFormat.DEEPSEEK)
 DEEPSEEK_OPEN = ReasoningSyntax(ReasoningFormat.DEEPSEEK, starts_open=True)
 HARMONY = ReasoningSyntax(ReasoningFormat.HARMONY)
+HARMONY_OPEN = ReasoningSyntax(ReasoningFormat.HARMONY, starts_open=True)
 
 # Replies in each format, written as the models write them (tags, whitespace and special tokens as
 # their tokenizers spell them), with multi-byte characters so that byte cuts split characters.
@@ -96,16 +97,18 @@ def test_none_leaves_the_text_as_generated() -> None:
 TEXT_ATOMS = st.sampled_from(["<think>", "</think>", "<", "</", "<th", "\n", " ", "a", "é", "→", "x y",
                               "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "analysis", "final",
                               "assistant", "<|", "<tool_call>", "</tool_call>", '{"name": "get_weather", ',
-                              '"arguments": {"city": "Oslo"}}', "}"])
+                              '"arguments": {"city": "Oslo"}}', "}", " to=functions.get_weather", "<|call|>",
+                              "commentary", "<|constrain|>", "json", '{"city": "Oslo"}'])
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(TEXT_ATOMS, max_size=14), st.data(),
-       st.sampled_from([DEEPSEEK, DEEPSEEK_OPEN, HARMONY]), st.booleans())
+       st.sampled_from([DEEPSEEK, DEEPSEEK_OPEN, HARMONY, HARMONY_OPEN]), st.booleans())
 def test_any_split_yields_the_same_events(atoms: list[str], data, syntax: ReasoningSyntax, with_tools: bool) -> None:
     """The property: a reply fed whole, or in pieces cut anywhere, gives identical events."""
     text = "".join(atoms)
-    plan = ReplyPlan(syntax, _weather_plan() if with_tools else None)
+    tools = (_harmony_plan() if syntax.format is ReasoningFormat.HARMONY else _weather_plan()) if with_tools else None
+    plan = ReplyPlan(syntax, tools)
     n = len(text.encode())
     cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=6)))) if n > 1 else []
     assert read(plan, byte_pieces(text, cuts)) == read(plan, [text])
@@ -285,3 +288,217 @@ def test_variables_that_break_the_template_are_a_400(tiny) -> None:
     template = ChatTemplate("{% if x %}{{ raise_exception('no') }}{% endif %}{{ messages[0].content }}", "", "")
     with pytest.raises(ChatTemplateError):
         template.with_kwargs({"raise_exception": 1, "x": 1}).render([{"role": "user", "content": "hi"}])
+
+
+# --- harmony tool calls ---------------------------------------------------------------------------------
+
+ANALYSIS = "<|channel|>analysis<|message|>User wants the weather in Oslo → call get_weather.<|end|>"
+ARGS = '{"city": "Oslo — Norway"}'
+# Every header gpt-oss writes for a call: the channel first (with <|constrain|>json, or json bare)
+# or the recipient first, after `<|start|>assistant`; ended by <|call|> or by the end of the text
+# (<|call|> ends generation, so the server never sees it as text).
+HARMONY_CALLS = {
+    "channel-first": f"{ANALYSIS}<|start|>assistant<|channel|>commentary to=functions.get_weather "
+                     f"<|constrain|>json<|message|>{ARGS}<|call|>",
+    "recipient-first": f"{ANALYSIS}<|start|>assistant to=functions.get_weather<|channel|>commentary json"
+                       f"<|message|>{ARGS}",
+    "first-message": f" to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{ARGS}",
+    "bare-json": f"{ANALYSIS}<|start|>assistant<|channel|>commentary to=functions.get_weather json<|message|>{ARGS}",
+}
+
+
+def _harmony_plan(choice: ToolChoice = ToolChoice(Mode.AUTO)):
+    from kvserve.tools.plan import ToolPlan
+
+    grammar = tool_grammar(ToolFormat.HARMONY, [WEATHER], required=choice.mode is Mode.REQUIRED, parallel=False,
+                           opening_token=None)
+    return ToolPlan(ToolFormat.HARMONY, (WEATHER,), (WEATHER,), choice, False, grammar)
+
+
+@pytest.mark.parametrize("name", HARMONY_CALLS)
+def test_harmony_calls_are_read_from_their_headers_at_every_byte_cut(name: str) -> None:
+    text = HARMONY_CALLS[name]
+    plan = ReplyPlan(HARMONY, _harmony_plan())
+    whole = read(plan, [text])
+    calls = [e for e in whole if isinstance(e, CallStarted)]
+    assert [c.name for c in calls] == ["get_weather"]
+    assert "".join(e.text for e in whole if isinstance(e, ArgumentsDelta)) == ARGS
+    reasoning, answer = parts(whole)
+    assert answer == "" and reasoning == ("" if name == "first-message" else
+                                          "User wants the weather in Oslo → call get_weather.")
+    assert whole[-1] == Ended("tool_calls")
+    for cut in range(1, len(text.encode())):
+        assert read(plan, byte_pieces(text, [cut])) == whole, cut
+
+
+def test_a_harmony_preamble_is_answer_and_other_recipients_are_text() -> None:
+    """A `commentary` message without a recipient is a preamble, written for the user: answer
+    text, as vLLM and llama-server give it. A message to a builtin tool or to an unknown function
+    is text of its channel; a call cut by `length` is dropped."""
+    preamble = "<|channel|>commentary<|message|>Checking the forecast.<|end|>"
+    text = f"{ANALYSIS}<|start|>assistant{preamble}<|start|>assistant<|channel|>final<|message|>Sunny."
+    assert parts(read(ReplyPlan(HARMONY, _harmony_plan()), [text])) == (
+        "User wants the weather in Oslo → call get_weather.", "Checking the forecast.Sunny.")
+    browse = "<|channel|>analysis to=browser.search<|message|>{\"q\": \"oslo\"}<|call|>"
+    events = read(ReplyPlan(HARMONY, _harmony_plan()), [browse])
+    assert parts(events) == ('{"q": "oslo"}', "") and not any(isinstance(e, CallStarted) for e in events)
+    unknown = "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}"
+    assert parts(read(ReplyPlan(HARMONY, _harmony_plan()), [unknown])) == ("", "{}")
+    cut = read(ReplyPlan(HARMONY, _harmony_plan()), [HARMONY_CALLS["recipient-first"][:-3]], "length")
+    assert not any(isinstance(e, CallStarted) for e in cut) and cut[-1] == Ended("length")
+    no_tools = read(ReplyPlan(HARMONY), [HARMONY_CALLS["channel-first"]])
+    assert parts(no_tools)[1] == ARGS  # no tools asked for: the body is text
+
+
+def test_a_prompt_that_opens_the_analysis_starts_the_reply_inside_it() -> None:
+    syntax = syntax_for(ReasoningFormat.HARMONY, "<|start|>assistant<|channel|>analysis<|message|>")
+    assert syntax == HARMONY_OPEN
+    assert syntax_for(ReasoningFormat.HARMONY, "<|start|>assistant") == HARMONY
+    text = "Think briefly.<|end|><|start|>assistant<|channel|>final<|message|>Done."
+    assert parts(read(ReplyPlan(HARMONY_OPEN), [text])) == ("Think briefly.", "Done.")
+    assert ReasoningSyntax(ReasoningFormat.HARMONY, calls_next=True).close_text == "<|end|><|start|>assistant"
+
+
+@pytest.mark.parametrize("mode", [Mode.AUTO, Mode.REQUIRED])
+@pytest.mark.parametrize("thinking", list(Thinking))
+def test_harmony_grammars_are_accepted_by_llama_cpp(tiny, mode: Mode, thinking: Thinking) -> None:
+    from kvserve.llama.model import Model
+
+    grammar = tool_grammar(ToolFormat.HARMONY, [WEATHER], required=mode is Mode.REQUIRED, parallel=False,
+                           opening_token=None, thinking=thinking)
+    model = Model(tiny("llama", "harmony"))
+    try:
+        Sampler(model, SamplingParams(grammar=grammar.gbnf, grammar_trigger_patterns=grammar.trigger_patterns)).close()
+    finally:
+        model.close()
+
+
+def test_harmony_triggers_fire_on_a_calls_header_only() -> None:
+    grammar = tool_grammar(ToolFormat.HARMONY, [WEATHER], required=False, parallel=False, opening_token=None)
+    def fires(text: str) -> str | None:
+        for pattern in grammar.trigger_patterns:
+            found = re.fullmatch(pattern, text)  # llama.cpp matches the whole text so far
+            if found:
+                return text[next(found.start(i) for i in range(1, found.lastindex + 1) if found.group(i)):]
+        return None
+    assert fires(f"{ANALYSIS}<|start|>assistant<|channel|>commentary to=functions.get") == \
+        "<|channel|>commentary to=functions.get"
+    assert fires(" to=functions.") == " to=functions."
+    assert fires(f"{ANALYSIS}<|start|>assistant to=functions.get_weather") == " to=functions.get_weather"
+    assert fires(f"{ANALYSIS}<|start|>assistant<|channel|>final<|message|>to=functions.") is None
+    assert fires("<|channel|>commentary to=functions.get_time") is None  # not a tool's name
+
+
+# --- work: each character of a long thinking is looked at a bounded number of times ---------------------
+
+
+def test_the_splitter_examines_each_character_a_bounded_number_of_times() -> None:
+    """Fed a token at a time, the tag scanner looks at each character once, plus a held tail no
+    longer than a tag: a splitter that rescanned the text so far would look at it n²/2 times."""
+    for syntax, piece in [(DEEPSEEK_OPEN, " a<b step"), (HARMONY_OPEN, " a<|b step")]:
+        splitter = syntax.splitter()
+        for _ in range(2000):
+            splitter.feed(piece)
+        assert splitter.thinking
+        assert splitter.examined <= 2000 * (len(piece) + len("<|constrain|>"))
+
+
+@pytest.mark.parametrize("syntax,close,call,good", [
+    (DEEPSEEK_OPEN, "\n</think>\n\n", "<tool_call>\n{\"name", '":'),
+    (HARMONY_OPEN, "<|end|>", "<|start|>assistant<|channel|>commentary to=functions.get", "_weather"),
+])
+def test_a_lazy_grammar_is_kept_from_the_thinking(tiny, syntax: ReasoningSyntax, close: str, call: str,
+                                                  good: str) -> None:
+    """The lazy grammar (`auto`) is armed only once the reply answers: llama.cpp, which matches
+    its trigger patterns against all the text the grammar saw at every token, sees the close and
+    what follows, never the 400 thinking tokens before it; and the trigger still fires."""
+    from kvserve.llama.model import Model
+
+    harmony = syntax.format is ReasoningFormat.HARMONY
+    template = "harmony" if harmony else "hermes-think"
+    fmt = ToolFormat.HARMONY if harmony else ToolFormat.HERMES
+    grammar = tool_grammar(fmt, [WEATHER], required=False, parallel=False, opening_token=None,
+                           thinking=Thinking.OPEN)
+    model = Model(tiny("llama", template))
+    params = SamplingParams(grammar=grammar.gbnf, grammar_trigger_patterns=grammar.trigger_patterns)
+    sampler = Sampler(model, params, defer_lazy_grammar=True)
+    try:
+        watch = ThinkingWatch(ThinkingLimit(syntax, None, ()))
+        thinking = model.tokenize(" I think" * 200, add_special=False, parse_special=True)
+        answer = model.tokenize(close + call, add_special=False, parse_special=True)
+        for token in thinking + answer:
+            sampler.accept(token)
+            watch.gate(sampler, token, model.detokenize([token], special=True))
+        assert watch.answering and len(thinking) >= 400
+        assert 0 < sampler.grammar_tokens <= len(answer)
+        continuations = [model.tokenize(text, add_special=False, parse_special=False)[0] for text in (good, "zz")]
+        assert sampler.allows(continuations) == [True, False]  # triggered: the grammar holds the call now
+    finally:
+        sampler.close()
+        model.close()
+
+
+# --- replies recorded from real models ------------------------------------------------------------------
+
+
+def _tools_plan(fmt: ToolFormat, *names: str):
+    from kvserve.tools.plan import ToolPlan
+
+    tools = tuple(FunctionTool(name) for name in names)
+    grammar = tool_grammar(fmt, list(tools), required=False, parallel=False, opening_token=None)
+    return ToolPlan(fmt, tools, tools, ToolChoice(Mode.AUTO), False, grammar)
+
+
+def _recorded():
+    import recorded_replies as r
+
+    browse_thought = r.GPT_OSS_BROWSE.split("<|message|>")[1].split("<|end|>")[0]
+    plan = _tools_plan(ToolFormat.HARMONY, "get_weather", "generate_file")
+    return {  # name: (plan, text, reasoning, answer, calls as (name, arguments))
+        "gpt-oss-browse": (ReplyPlan(HARMONY, plan), r.GPT_OSS_BROWSE, browse_thought,
+                           '{"query": "current US president July 2025", "topn": 10, "source": "news"}', []),
+        "gpt-oss-answer": (ReplyPlan(HARMONY, plan), r.GPT_OSS_ANSWER,
+                           'User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.', "2 + 2 = 4.", []),
+        "gpt-oss-call": (ReplyPlan(HARMONY, plan), r.GPT_OSS_CALL, "Need to use function get_weather.", "",
+                         [("get_weather", '{"location":"San Francisco"}')]),
+        "gpt-oss-preamble": (ReplyPlan(HARMONY, plan), r.GPT_OSS_PREAMBLE, "{long chain of thought}",
+                             r.GPT_OSS_PREAMBLE.split("commentary<|message|>")[1].split("<|end|>")[0],
+                             [("generate_file", '{"template": "basic_html", "path": "index.html"}')]),
+        "r1-hello": (ReplyPlan(DEEPSEEK_OPEN, _weather_plan()), r.R1_HELLO, r.R1_REASONING, r.R1_ANSWER, []),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-browse", "gpt-oss-answer", "gpt-oss-call", "gpt-oss-preamble", "r1-hello"])
+def test_recorded_replies_read_alike_at_every_byte_cut(name: str) -> None:
+    plan, text, reasoning, answer, calls = _recorded()[name]
+    whole = read(plan, [text])
+    assert parts(whole) == (reasoning, answer)
+    got = [(e.name, "".join(a.text for a in whole if isinstance(a, ArgumentsDelta) and a.index == e.index))
+           for e in whole if isinstance(e, CallStarted)]
+    assert got == calls
+    assert whole[-1] == Ended("tool_calls" if calls else "stop")
+    for cut in range(1, len(text.encode())):
+        assert read(plan, byte_pieces(text, [cut])) == whole, cut
+    assert read(plan, list(text)) == whole
+
+
+def test_gpt_oss_templates_are_read_as_harmony_tools() -> None:
+    """gpt-oss's own template writes a call's header in two pieces."""
+    from kvserve.tools import detect_format
+
+    gpt_oss = ('{{- "<|start|>assistant to=" }}\n{{- "functions." + tool_call.name + "<|channel|>commentary " }}\n'
+               '{{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}')
+    assert detect_format(gpt_oss) is ToolFormat.HARMONY
+    assert detect_format("<|start|>{{ m.role }}<|channel|>final<|message|>") is ToolFormat.GENERIC  # no tools
+
+
+def test_the_tool_parser_examines_each_character_a_bounded_number_of_times() -> None:
+    """Whitespace before a possible call is held back; a long run of it, fed a character at a time,
+    is walked once more in all, not once per character (n²/2)."""
+    parser = _weather_plan().parser()
+    text = ("Some text, then a pause" + " " * 400 + "\n" * 100 + "<to" + "\t" * 300) * 5
+    for ch in text:
+        parser.feed(ch)
+    parser.finish()
+    assert parser.content == text
+    assert parser.examined <= 2 * len(text)

@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import pytest
 
+import numpy as np
+
 from conftest import engine, run, run_traced
-from equality import SMOLLM2_TOLERANCE, TOP, assert_like_alone
+from equality import SMOLLM2_TOLERANCE, TINY_TOLERANCE, TOP, assert_like_alone
+from kvserve.cache.host_store import HostStore
+from kvserve.cache.kv_pool import StreamPool
+from kvserve.cache.page_cache import PageCache
+from kvserve.llama.context import Context, ContextParams
+from kvserve.llama.model import Model
 from kvserve.llama.sampler import SamplingParams
 from kvserve.scheduler.kv_manager import KvManager
 from kvserve.scheduler.request import FinishReason, Request
+from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.sampling import Sampling
-from kvserve.scheduler.speculation import StepCost
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.speculation import SpecConfig, SpecMode, StepCost
+from kvserve.testing.tiny_models import TINY_SWA
 
 # Text that repeats (prompt lookup drafts well) and text that does not (drafts get rejected).
 PROMPTS = [
@@ -217,15 +227,108 @@ def test_a_wrong_verifier_fails_these_tests(smollm2, monkeypatch: pytest.MonkeyP
             assert_like_alone(alone, spec, SMOLLM2_TOLERANCE)
 
 
-@pytest.mark.parametrize("arch", ["mamba", "gemma3"])
+@pytest.mark.parametrize("arch", ["mamba", "lfm2"])
 def test_no_speculation_where_rows_cannot_be_cut(tiny, arch: str) -> None:
-    """A recurrent state cannot be cut back, and a sliding window may have lost rows a rejected draft
-    displaced: speculation stays off there, and serving works as without it."""
+    """A recurrent state (Mamba; LFM2, a hybrid) cannot be cut back: speculation stays off there, and
+    serving works as without it."""
     with engine(tiny(arch), speculative="auto", ctx_size=256, parallel=2) as e:
         assert not e.scheduler.speculator.enabled and not e.scheduler.speculator.describe()["drafters"]
         r = Request(id="m", prompt=[1, 5, 6, 7, 5, 6, 7, 5, 6], params=SamplingParams(temperature=0.0), max_tokens=8,
                     ignore_eos=True)
         assert len(run(e, [r])["m"]) == 8
+
+
+# -- sliding windows: each cut asks the stream -------------------------------------------------------
+
+SWA_PROMPT = 100
+SWA_DRAFT = 240  # longer than a 256-cell sliding-window stream keeps beyond the window
+
+
+def _swa_scheduler(model, mode: str, swa_full: bool) -> Scheduler:
+    """The tiny gemma3 (window TINY_SWA) in two streams of 512 cells, plain attention. Without
+    `swa_full` a stream keeps n_swa + n_ubatch sliding-window cells (256 once padded), so a verified
+    draft of SWA_DRAFT tokens, split into 16-token ubatches, overwrites the window of a cut near
+    its start; with it (llama.cpp's default, and kvserve's) the stream keeps every row."""
+    ctx = Context(model, ContextParams(n_ctx_seq=512, n_batch=256, n_seq_max=2, n_threads=2, n_ubatch=16,
+                                       flash_attn="off", swa_full=swa_full))
+    cache = PageCache(ctx, 16, HostStore(64 << 20))
+    config = SchedulerConfig(max_running=2, token_budget=256, max_seq_len=512)
+    return Scheduler(StreamPool(ctx, on_end=cache.unlock), cache, config,
+                     spec=SpecConfig(SpecMode(mode), draft_max=SWA_DRAFT))
+
+
+def _swa_requests(expected: list[list[int]] | None) -> list[Request]:
+    """Two greedy requests on random prompts; given the outputs without speculation, each predicts
+    its own first two tokens, then SWA_DRAFT tokens it will not write."""
+    rng = np.random.default_rng(7)
+    requests = []
+    for i in range(2):
+        prompt = [int(t) for t in rng.integers(200, 40000, SWA_PROMPT)]
+        wrong = [int(t) for t in rng.integers(200, 40000, SWA_DRAFT)]
+        requests.append(Request(id=f"w{next(_ids)}", prompt=prompt, params=SamplingParams(temperature=0.0),
+                                max_tokens=SWA_DRAFT + 40, logprobs=TOP, ignore_eos=True,
+                                prediction=expected[i][:2] + wrong if expected else []))
+    return requests
+
+
+def _served_swa(model, mode: str, swa_full: bool, expected: list[list[int]] | None = None):
+    """Each request's output, and the scheduler, after checking llama.cpp's positions after every
+    step: each running stream holds its session's tokens and the window its next token attends."""
+    scheduler = _swa_scheduler(model, mode, swa_full)
+    ctx = scheduler.pool.ctx
+    requests = _swa_requests(expected)
+    for r in requests:
+        scheduler.submit(r)
+    out: dict[str, list] = {r.id: [] for r in requests}
+    try:
+        while scheduler.has_work():
+            for output in scheduler.step():
+                assert output.error is None, output.error
+                out[output.request_id] += sum((d.logprobs for d in output.deltas), [])
+            for choice in (c for r in scheduler.running for c in r.state.choices if c.session is not None):
+                n = choice.session.n_past
+                assert ctx.seq_pos_max(choice.session.seq) == n - 1
+                assert ctx.seq_pos_min(choice.session.seq) <= max(0, n - TINY_SWA + 1), "the window is gone"
+        return [out[r.id] for r in requests], scheduler
+    finally:
+        scheduler.release_all()
+        scheduler.cache.release()
+        scheduler.pool.close()
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny):
+    model = Model(tiny("gemma3"))
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def swa_alone(gemma) -> list[list]:
+    return _served_swa(gemma, "off", swa_full=True)[0]
+
+
+@pytest.mark.parametrize("swa_full", [True, False], ids=["full-window-cache", "window-sized-cache"])
+def test_sliding_window_speculation_equals_off(gemma, swa_alone, swa_full: bool) -> None:
+    """Gemma 3's kind of model speculates: each rejected draft is cut where the stream still holds
+    the window before the cut, and where the draft's decode overwrote it (a window-sized cache), the
+    sequence is evaluated again; either way the output is the one without speculation."""
+    expected = [[t.token for t in out] for out in swa_alone]
+    on, scheduler = _served_swa(gemma, "ngram", swa_full, expected)
+    stats = scheduler.speculator.stats["prediction"]
+    assert 0 < stats.accepted < stats.drafted, "drafts must be verified, accepted and rejected ones"
+    assert (scheduler.kv.recomputed > 0) is not swa_full, scheduler.kv.recomputed
+    for alone, spec in zip(swa_alone, on):
+        assert_like_alone(alone, spec, TINY_TOLERANCE)
+
+
+def test_a_cut_where_the_window_is_gone_fails_these_tests(gemma, swa_alone, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(StreamPool, "can_cut", lambda self, seq, n: True)  # ignores pos_min
+    expected = [[t.token for t in out] for out in swa_alone]
+    with pytest.raises(AssertionError):
+        on, _ = _served_swa(gemma, "ngram", False, expected)
+        for alone, spec in zip(swa_alone, on):
+            assert_like_alone(alone, spec, TINY_TOLERANCE)
 
 
 def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:

@@ -96,7 +96,13 @@ class KvPool(Protocol):
 
     def new_session(self, key: PrefixKey | None = None) -> Session: ...
 
+    def held(self, seq: int) -> list[int]:
+        """The tokens stream `seq` holds: its live session's, or an idle stream's resident ones."""
+        ...
+
     def namespaces(self) -> set[str]: ...
+
+    def can_cut(self, seq: int, n: int) -> bool: ...
 
     def fork(self, parent: Session, child: Session) -> None: ...
 
@@ -208,6 +214,10 @@ class StreamPool:
 
     def resident_match(self, key: PrefixKey) -> int:
         return self._best(key)[1] if self.reuse else 0
+
+    def held(self, seq: int) -> list[int]:
+        stream = self.streams[seq]
+        return stream.session.tokens if stream.session else stream.resident
 
     def new_session(self, key: PrefixKey | None = None) -> Session:
         """A session of `key`'s namespace (default: the shared one), in the idle stream of that

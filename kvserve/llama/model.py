@@ -156,6 +156,22 @@ class Model:
         n = llama_cpp.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
 
+    def vocab_mismatch(self, other: "Model", samples: int = 512) -> str | None:
+        """How `other`'s vocabulary differs from this one's, or None where they agree on the size,
+        BOS, EOS and the text of every special token (of either) and of `samples` tokens spread over the range
+        (a draft model's guesses are token ids of the target's vocabulary)."""
+        n = self.info.n_vocab
+        if other.info.n_vocab != n:
+            return f"{other.info.n_vocab} tokens, the model has {n}"
+        if (other.bos, other.eos) != (self.bos, self.eos):
+            return f"BOS/EOS {other.bos}/{other.eos}, the model's are {self.bos}/{self.eos}"
+        specials = {t for t in range(n) for vocab in (self._vocab, other._vocab)
+                    if llama_cpp.llama_vocab_get_attr(vocab, t) & _SPECIAL}
+        for token in sorted(specials | set(range(0, n, max(1, n // samples))) | {n - 1}):
+            if other.token_text(token) != self.token_text(token):
+                return f"token {token} is {other.token_text(token)!r}, the model's is {self.token_text(token)!r}"
+        return None
+
     def chat_template(self) -> str | None:
         raw = llama_cpp.llama_model_chat_template(self._ptr, None)
         return raw.decode("utf-8") if raw else None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ctypes
 import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import llama_cpp
 import numpy as np
@@ -78,13 +79,16 @@ class Sampler:
     constructs one closes it exactly once; `close` is idempotent so a second call is harmless.
     """
 
-    def __init__(self, model: Model, params: SamplingParams) -> None:
-        chain_params = llama_cpp.llama_sampler_chain_default_params()
-        chain_params.no_perf = True
-        self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
-        _live.add(1)
+    def __init__(self, model: Model, params: SamplingParams, defer_lazy_grammar: bool = False) -> None:
+        """`defer_lazy_grammar`: a lazy grammar waits out of the chain until `gate` arms it."""
+        self._model, self._params = model, params
+        self._deferred = defer_lazy_grammar and params.grammar is not None and bool(
+            params.grammar_trigger_patterns or params.grammar_trigger_tokens)
+        self._armed = params.grammar is not None and not self._deferred  # the chain's first stage is the grammar
+        self.grammar_tokens = 0  # tokens a deferred grammar was given: what its trigger search scanned
+        self._chain = _new_chain()
         try:
-            for stage in _stages(model, params):
+            for stage in _stages(model, replace(params, grammar=None) if self._deferred else params):
                 llama_cpp.llama_sampler_chain_add(self._chain, stage)
         except GrammarError:
             self.close()
@@ -92,11 +96,51 @@ class Sampler:
 
     def sample(self, ctx: Context, index: int) -> int:
         """Pick the next token from the logits of batch entry `index` and remember it."""
+        self._count_grammar_token()
         return llama_cpp.llama_sampler_sample(self._chain, ctx.ptr, index)
 
     def accept(self, token: int) -> None:
         """Remember a token chosen without sampling (one the server forced), as `sample` remembers its own."""
+        self._count_grammar_token()
         llama_cpp.llama_sampler_accept(self._chain, token)
+
+    def gate(self, on: bool, replay: Callable[[], list[int]]) -> None:
+        """A deferred lazy grammar in the chain (`on`) or out of it. Armed, it is a fresh one that
+        first sees the tokens `replay` gives (the text its triggers need from before this point);
+        the other stages keep their state. llama.cpp's lazy grammar matches its patterns against all
+        the text it saw at every token, so text it is kept from (the thinking) costs nothing."""
+        if not self._deferred or on == self._armed or self._chain is None:
+            return
+        if on:
+            grammar = _grammar(self._model, self._params)
+            tokens = replay()
+            for token in tokens:
+                llama_cpp.llama_sampler_accept(grammar, token)
+            self.grammar_tokens += len(tokens)
+            chain = _new_chain()
+            llama_cpp.llama_sampler_chain_add(chain, grammar)
+            while llama_cpp.llama_sampler_chain_n(self._chain) > 0:
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_chain_remove(self._chain, 0))
+            llama_cpp.llama_sampler_free(self._chain)
+            _live.add(-1)
+            self._chain = chain
+        else:
+            llama_cpp.llama_sampler_free(llama_cpp.llama_sampler_chain_remove(self._chain, 0))
+        self._armed = on
+
+    def allows(self, tokens: list[int]) -> list[bool]:
+        """Which of `tokens` the grammar would let through now (all of them, with no grammar in the
+        chain or a lazy one still waiting for its trigger)."""
+        if not self._armed or self._chain is None:
+            return [True] * len(tokens)
+        data = (llama_cpp.llama_token_data * len(tokens))(*(llama_cpp.llama_token_data(t, 0.0, 0.0) for t in tokens))
+        candidates = llama_cpp.llama_token_data_array(data, len(tokens), -1, False)
+        llama_cpp.llama_sampler_apply(llama_cpp.llama_sampler_chain_get(self._chain, 0), ctypes.byref(candidates))
+        return [data[i].logit != float("-inf") for i in range(len(tokens))]
+
+    def _count_grammar_token(self) -> None:
+        if self._deferred and self._armed:
+            self.grammar_tokens += 1
 
     def close(self) -> None:
         """Free the chain and every stage it took ownership of."""
@@ -104,6 +148,13 @@ class Sampler:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
             _live.add(-1)
+
+
+def _new_chain() -> llama_cpp.llama_sampler_p:
+    chain_params = llama_cpp.llama_sampler_chain_default_params()
+    chain_params.no_perf = True
+    _live.add(1)
+    return llama_cpp.llama_sampler_chain_init(chain_params)
 
 
 def _stages(model: Model, p: SamplingParams) -> list[llama_cpp.llama_sampler_p]:

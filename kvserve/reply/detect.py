@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvserve.reply.reasoning import H_CHANNEL, THINK_CLOSE, THINK_OPEN, ReasoningFormat, ReasoningSyntax
+from kvserve.reply.reasoning import ANALYSIS_OPEN, H_CHANNEL, THINK_CLOSE, THINK_OPEN, ReasoningFormat, ReasoningSyntax
 
 AUTO = "auto"
 
@@ -31,8 +31,10 @@ def resolve_format(setting: str, template_source: str, is_one_token: Callable[[s
 
 def syntax_for(fmt: ReasoningFormat, prompt_tail: str) -> ReasoningSyntax | None:
     """The syntax of a reply to a prompt ending in `prompt_tail`; None where nothing is split.
-    A `<think>` block the prompt opened and did not close is the reply's start."""
+    A `<think>` block (or harmony analysis body) the prompt opened and did not close is the reply's start."""
     if fmt is ReasoningFormat.NONE:
         return None
+    if fmt is ReasoningFormat.HARMONY:
+        return ReasoningSyntax(fmt, starts_open=prompt_tail.endswith(ANALYSIS_OPEN))
     tail = prompt_tail.rstrip()
-    return ReasoningSyntax(fmt, starts_open=fmt is ReasoningFormat.DEEPSEEK and tail.endswith(THINK_OPEN))
+    return ReasoningSyntax(fmt, starts_open=tail.endswith(THINK_OPEN))

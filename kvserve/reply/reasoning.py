@@ -5,7 +5,13 @@ Formats (`ReasoningFormat`):
   and its distills, Qwen3, SmolLM3, Magistral). A template may open the block itself, in the
   generation prompt (R1 distills, Qwen3 with `enable_thinking`): the reply then starts inside it.
 - `harmony`: gpt-oss's channels; the `analysis` channel is thinking, every other channel's
-  message (`final`, `commentary`) is answer. Headers and the tokens around them are dropped.
+  message (`final`, and `commentary` without a recipient: a preamble, meant for the user) is
+  answer. A message with a recipient (`to=functions.NAME`, before or after its `<|channel|>`) is a
+  tool call: its body, the arguments, comes out whole as a `Call` when the message ends (at
+  `<|call|>`, `<|end|>`, `<|return|>`, or the end of the reply, where `closed` is False). Headers
+  and the tokens around them are dropped. A prompt may open the analysis itself
+  (`starts_open`: it ends in `<|channel|>analysis<|message|>`), or leave the reply to write its
+  header after `<|start|>assistant`, recipient first.
 - `none`: the text as generated, all of it answer.
 
 The splitter holds back only what could still be a tag. Whitespace around the thinking (after its
@@ -17,6 +23,7 @@ into pieces, the pieces add up to the same reasoning and answer.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Union
 
@@ -34,23 +41,27 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # the last one ends with <|return|> (or <|call|> for a tool call), both of which end generation.
 H_START, H_CHANNEL, H_MESSAGE, H_END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 H_RETURN, H_CALL, H_CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
+ANALYSIS_OPEN = f"{H_CHANNEL}analysis{H_MESSAGE}"
 HARMONY_TAGS = (H_START, H_CHANNEL, H_MESSAGE, H_END, H_RETURN, H_CALL, H_CONSTRAIN)
 _TAGS = {ReasoningFormat.NONE: (), ReasoningFormat.DEEPSEEK: (THINK_OPEN, THINK_CLOSE), ReasoningFormat.HARMONY: HARMONY_TAGS}
 
 
 @dataclass(frozen=True)
 class ReasoningSyntax:
-    """How one request's reply carries its thinking: the format, and whether the prompt opened the
-    thinking block already (the reply then starts inside it)."""
+    """How one request's reply carries its thinking: the format, whether the prompt opened the
+    thinking block already (the reply then starts inside it), and (harmony) whether the reply must
+    call a tool after it (its close then leaves the next message's header to the model)."""
 
     format: ReasoningFormat
     starts_open: bool = False
+    calls_next: bool = False
 
     @property
     def close_text(self) -> str:
         """What the server writes to end the thinking when its budget runs out."""
         if self.format is ReasoningFormat.HARMONY:
-            return f"{H_END}{H_START}assistant{H_CHANNEL}final{H_MESSAGE}"
+            head = f"{H_END}{H_START}assistant"
+            return head if self.calls_next else f"{head}{H_CHANNEL}final{H_MESSAGE}"
         return f"\n{THINK_CLOSE}\n\n"
 
     def splitter(self) -> "ReasoningSplitter":
@@ -67,7 +78,18 @@ class Answer:
     text: str
 
 
-Part = Union[Reasoning, Answer]
+@dataclass(frozen=True)
+class Call:
+    """A harmony message addressed to `recipient` (e.g. `functions.get_weather`): its body whole;
+    `closed`: a closing token ended it (else the reply did)."""
+
+    recipient: str
+    channel: str
+    arguments: str
+    closed: bool
+
+
+Part = Union[Reasoning, Answer, Call]
 
 
 class _TagScanner:
@@ -75,11 +97,14 @@ class _TagScanner:
 
     def __init__(self, tags: tuple[str, ...]) -> None:
         self._tags = tags
+        self._longest = max((len(t) for t in tags), default=0)
         self._held = ""
+        self.examined = 0  # characters looked at, the held tail again each time: O(1) per character
 
     def feed(self, text: str) -> list[str | tuple[str]]:
         """Plain text as `str`, a tag as a 1-tuple."""
         text = self._held + text
+        self.examined += len(text)
         out: list[str | tuple[str]] = []
         start = 0
         i = text.find("<")
@@ -90,7 +115,7 @@ class _TagScanner:
                 start = i + len(tag)
                 i = text.find("<", start)
                 continue
-            if any(t.startswith(text[i:]) for t in self._tags):  # the text ends in a tag's start
+            if len(text) - i < self._longest and any(t.startswith(text[i:]) for t in self._tags):  # a tag's start
                 break
             i = text.find("<", i + 1)
         end = i if i >= 0 else len(text)
@@ -101,6 +126,10 @@ class _TagScanner:
     def finish(self) -> str:
         held, self._held = self._held, ""
         return held
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
 
 
 class _State(enum.Enum):
@@ -129,13 +158,32 @@ class ReasoningSplitter:
         self._thought = False  # some reasoning went out: leading whitespace is no longer dropped
         self._header = ""  # harmony: the current message's header text
         self._channel_is_analysis = False
+        self._recipient: str | None = None  # harmony: the current message's, if it is a call
+        self._call_body: list[str] = []
         self._parts: list[Part] = []
+        if harmony and syntax.starts_open:  # the prompt opened the analysis body
+            self._state, self._channel_is_analysis = _State.BODY, True
 
     @property
     def thinking(self) -> bool:
         if self._format is ReasoningFormat.HARMONY:
             return self._channel_is_analysis and self._state in (_State.BODY, _State.HEADER)
         return self._state is _State.THINKING
+
+    @property
+    def answering(self) -> bool:
+        """Past the thinking: neither in it nor at a start where it may still open."""
+        return not self.thinking and self._state not in (_State.START, _State.THINKING)
+
+    @property
+    def holding(self) -> bool:
+        """A tag (or, at the start, a header) may have begun: text is held back."""
+        return self._scanner.holding or (self._state is _State.START and bool(self._held_ws))
+
+    @property
+    def examined(self) -> int:
+        """Characters the tag scanner looked at so far."""
+        return self._scanner.examined
 
     def feed(self, text: str) -> list[Part]:
         if self._format is ReasoningFormat.NONE:
@@ -155,6 +203,8 @@ class ReasoningSplitter:
                 self._text(rest)
             if self._state is _State.START and self._held_ws:
                 self._answer(self._held_ws)
+            if self._recipient is not None:
+                self._end_message(closed=False)
             self._held_ws = ""
         return self._take()
 
@@ -163,7 +213,7 @@ class ReasoningSplitter:
     def _take(self) -> list[Part]:
         merged: list[Part] = []
         for part in self._parts:
-            if merged and type(merged[-1]) is type(part):
+            if merged and type(merged[-1]) is type(part) and not isinstance(part, Call):
                 merged[-1] = type(part)(merged[-1].text + part.text)
             else:
                 merged.append(part)
@@ -192,11 +242,15 @@ class ReasoningSplitter:
     def _text(self, text: str) -> None:
         state = self._state
         if state is _State.START:
-            if not text.strip(_WS):
-                self._held_ws += text
+            lead = (self._held_ws + text).lstrip(_WS)
+            if not lead or (self._format is ReasoningFormat.HARMONY and _RECIPIENT_LEAD.startswith(lead)):
+                self._held_ws += text  # harmony: perhaps a header after the prompt's `<|start|>assistant`
+                return
+            text, self._held_ws = self._held_ws + text, ""
+            if self._format is ReasoningFormat.HARMONY and lead.startswith(_RECIPIENT_LEAD):
+                self._state, self._header = _State.HEADER, text
                 return
             self._state = _State.ANSWER
-            text, self._held_ws = self._held_ws + text, ""
             if self._format is ReasoningFormat.HARMONY:  # a reply with no header at all
                 self._answer(text)
                 return
@@ -213,7 +267,9 @@ class ReasoningSplitter:
         elif state is _State.HEADER:
             self._header += text
         elif state is _State.BODY:
-            if self._channel_is_analysis:
+            if self._recipient is not None:
+                self._call_body.append(text)
+            elif self._channel_is_analysis:
                 self._reasoning(text)
             else:
                 self._answer(text)
@@ -238,16 +294,19 @@ class ReasoningSplitter:
     def _harmony_tag(self, tag: str) -> None:
         state = self._state
         if tag in (H_START, H_CHANNEL) and state in (_State.START, _State.ANSWER, _State.BODY, _State.HEADER):
-            if state is not _State.HEADER:
-                self._end_message()
+            if state is _State.START:
+                self._header, self._held_ws = self._held_ws, ""
+            elif state is not _State.HEADER:
+                self._end_message(closed=False)
                 self._header = ""
             self._header += tag
             self._state = _State.HEADER
         elif tag == H_MESSAGE and state is _State.HEADER:
             self._channel_is_analysis = _channel(self._header) == "analysis"
+            self._recipient = _recipient(self._header)
             self._state = _State.BODY
         elif tag in (H_END, H_RETURN, H_CALL) and state is _State.BODY:
-            self._end_message()
+            self._end_message(closed=True)
             self._state = _State.ANSWER
         elif state is _State.HEADER:
             self._header += tag
@@ -255,12 +314,25 @@ class ReasoningSplitter:
             self._state = _State.ANSWER  # a stray token: the reply is not in channels
         # any other tag (one between messages, a constrain in a body) is syntax, dropped
 
-    def _end_message(self) -> None:
+    def _end_message(self, closed: bool) -> None:
+        if self._recipient is not None:
+            self._parts.append(Call(self._recipient, _channel(self._header), "".join(self._call_body), closed))
         self._held_ws = ""
         self._channel_is_analysis = False
+        self._recipient, self._call_body = None, []
+
+
+_RECIPIENT_LEAD = "to="
+_RECIPIENT = re.compile(r"(?:^|[\s>])to=([^\s<]+)")
 
 
 def _channel(header: str) -> str:
     """The channel named in a harmony header: `<|start|>assistant<|channel|>analysis to=...`."""
     _, _, after = header.rpartition(H_CHANNEL)
     return after.split(H_CONSTRAIN)[0].split(" ")[0].strip(_WS)
+
+
+def _recipient(header: str) -> str | None:
+    """Whom a harmony message is addressed to, before or after its channel: `to=functions.NAME`."""
+    found = _RECIPIENT.search(header)
+    return found.group(1) if found else None

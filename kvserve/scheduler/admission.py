@@ -134,7 +134,7 @@ class Admission:
         return Choice(
             index=index,
             tokens=list(request.prompt),
-            sampler=Sampler(model, request.params),
+            sampler=Sampler(model, request.params, defer_lazy_grammar=request.thinking is not None),
             detokenizer=Detokenizer(model, special=request.special_text),
             stop_matcher=StopMatcher(request.stop_strings),
             thinking=ThinkingWatch(request.thinking) if request.thinking is not None else None,

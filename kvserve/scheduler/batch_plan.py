@@ -102,6 +102,7 @@ class BatchPlanner:
             if choice.spec is None:
                 choice.spec = SpecState(Sequence(choice.tokens, len(request.prompt), request.prediction,
                                                   request.namespace))
+            choice.spec.sequence.seq = choice.session.seq
             reserved = self.kv.allocate(choice, 1, speculator.config.draft_max) or 1
             limit = min(reserved - 1, request.max_tokens - choice.n_generated - 1,
                         self.config.max_seq_len - len(choice.tokens), max(spare, 0))

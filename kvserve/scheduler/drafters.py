@@ -31,6 +31,7 @@ class Sequence:
     prompt_len: int
     prediction: list[int] = field(default_factory=list)
     namespace: str = ""  # whose earlier requests the prefix tree may draft from
+    seq: int = -1  # the stream it runs in this step (a draft model drafts in its stream of that id)
     indexes: dict[str, "_NgramIndex"] = field(default_factory=dict)
 
 

@@ -13,10 +13,11 @@ from kvserve.llama.attention_check import FlashAttnChoice, choose_flash_attn
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.kv_types import KvType, is_quantized
 from kvserve.llama.lora import AdapterLoadError, LoraAdapters
-from kvserve.llama.model import Model
+from kvserve.llama.model import Model, ModelLoadError
 from kvserve.reply import ReasoningFormat, resolve_format
 from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.draft_model import DraftModel, check_draft_model
 from kvserve.scheduler.embeddings import Embedder, EmbedderConfig, model_pooling
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.speculation import SpecConfig, SpecMode
@@ -37,6 +38,7 @@ class Engine:
     attention: FlashAttnChoice  # flash attention on or off, and why (/server_info reports it)
     reasoning: ReasoningFormat = ReasoningFormat.NONE  # how replies carry thinking
     lora: LoraAdapters | None = None  # the --lora adapters requests may pick (None: none given)
+    draft: DraftModel | None = None  # --draft-model, where speculation uses it
 
     @property
     def embedder(self) -> Embedder:
@@ -59,6 +61,15 @@ class Engine:
             enabled=settings.prefix_cache, budget_bytes=int(settings.prefix_state_mb * MIB),
             max_states=settings.prefix_states,
         )
+        try:
+            draft = load_draft_model(settings, pool, attention)
+        except Exception:
+            cache.release()
+            pool.close()
+            if lora is not None:
+                lora.close()
+            model.close()
+            raise
         ctx = pool.ctx
         _log.info("KV: %d streams of %d cells (K %s, V %s), %.0f MiB; prefix cache: %s in up to %g MiB of host memory",
                   pool.n_streams, pool.n_ctx_seq, *kv_types(settings), ctx.kv_bytes / MIB, cache.keeps, settings.prefix_state_mb)
@@ -73,26 +84,42 @@ class Engine:
             pooling=settings.pooling or model_pooling(model), batch_tokens=min(settings.embedding_batch, config.max_seq_len),
             n_threads=settings.threads, queue_timeout=settings.queue_timeout))
         spec = SpecConfig(SpecMode(settings.speculative), settings.draft_max)
-        scheduler = Scheduler(pool, cache, config, embedder, spec, lora)
+        scheduler = Scheduler(pool, cache, config, embedder, spec, lora, draft)
         if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:
             _log.warning("speculative decoding is off: this model's KV rows cannot be cut back "
-                         "(a recurrent state or a sliding window)")
+                         "(a recurrent state)")
         async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
         template = ChatTemplate.from_model(model, settings.chat_template_file)
         reasoning = resolve_format(settings.reasoning_format, template.source, model.is_one_token)
         _log.info("reasoning format: %s", reasoning.value)
         return cls(settings, model, template, pool, cache, scheduler, async_engine, attention, reasoning,
-                   lora)
+                   lora, draft)
 
     def close(self) -> None:
         """Release the cache, then the contexts, then the model (the reverse of `load`)."""
         self.scheduler.release_all()
         self.cache.release()
         self.pool.close()
+        if self.draft is not None:
+            self.draft.close()
         self.embedder.close()
         if self.lora is not None:
             self.lora.close()
         self.model.close()
+
+
+def uses_draft_model(settings: Settings) -> bool:
+    return settings.draft_model is not None and settings.speculative in ("draft", "auto")
+
+
+def load_draft_model(settings: Settings, pool: KvPool, attention: FlashAttnChoice) -> DraftModel | None:
+    """The draft model's context beside the target's (a stream per target stream), where
+    `--speculative draft` or `auto` uses it and the target's rows can be cut back (not a recurrent state)."""
+    if not uses_draft_model(settings) or pool.ctx.model.info.carries_state:
+        return None
+    draft = DraftModel(settings.draft_model, pool.ctx, settings.threads, "on" if attention.enabled else "off")
+    _log.info("draft model %s: %d streams, %.0f MiB", settings.draft_model, draft.ctx.n_seq_max, draft.ctx.kv_bytes / MIB)
+    return draft
 
 
 def kv_types(settings: Settings) -> tuple[KvType, KvType]:
@@ -112,7 +139,7 @@ def preflight(settings: Settings) -> None:
     """What `Engine.load` would refuse, refused before the server starts, as a ValueError: a quantized
     V without flash attention (the check's verdict is kept for `Engine.load`), an adapter llama.cpp
     cannot load for the model."""
-    if not is_quantized(settings.cache_type_v) and not settings.lora:
+    if not is_quantized(settings.cache_type_v) and not settings.lora and not uses_draft_model(settings):
         return
     llama_log = logging.getLogger("kvserve.llama")
     level = llama_log.level
@@ -121,8 +148,21 @@ def preflight(settings: Settings) -> None:
     try:
         flash_attn_for(model, settings)
         LoraAdapters(model, settings.lora_paths()).close()
+        if uses_draft_model(settings):
+            _check_draft_file(model, settings.draft_model)
     except AdapterLoadError as exc:
         raise ValueError(str(exc)) from None
     finally:
         model.close()
         llama_log.setLevel(level)
+
+
+def _check_draft_file(model: Model, path) -> None:
+    try:
+        draft = Model(path)
+    except ModelLoadError as exc:
+        raise ValueError(f"--draft-model: {exc}") from None
+    try:
+        check_draft_model(model, draft)
+    finally:
+        draft.close()

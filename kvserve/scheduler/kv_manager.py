@@ -12,8 +12,13 @@ Invariants:
   place or attached, `commit` appends what a decode evaluated and cuts (`llama_memory_seq_rm`)
   the rows of draft tokens that verification rejected, nothing else does; so after every step
   `llama_memory_seq_pos_max` of a running sequence is its session's length - 1;
-- rows are cut only where the model allows it (`can_cut`): never for a recurrent state or a
-  sliding window, so speculation is off for those models;
+- a draft model's stream of a seq id holds a prefix of what the target stream of that id holds (plus,
+  within a step, the draft): `start`, `fork_waiting_siblings` and `release` trim it to the target
+  stream's tokens, `commit` cuts it to the session's accepted length;
+- rows are cut only where the stream keeps what the next token attends (`StreamPool.can_cut`):
+  never in a recurrent state, so speculation is off for those models (`cuts_rows`); in a
+  sliding-window stream wherever the decode left the window before the cut point. Where it did
+  not, `commit` drops the stream's rows and the sequence is evaluated again from its first token;
 - a choice holds a session from its start until its request ends or is preempted; `release` frees
   every one of them;
 - a forked choice never donates: its prompt is choice 0's;
@@ -33,6 +38,7 @@ from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import KvPool, PoolExhausted
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.prefix_key import PrefixKey, namespace_kind
+from kvserve.scheduler.draft_model import DraftModel
 from kvserve.scheduler.request import Choice, Request
 
 
@@ -43,13 +49,15 @@ class Room(enum.Enum):
 
 
 class KvManager:
-    def __init__(self, pool: KvPool, cache: PrefixCache) -> None:
+    def __init__(self, pool: KvPool, cache: PrefixCache, draft: DraftModel | None = None) -> None:
         self.pool = pool
         self.cache = cache
+        self.draft = draft
         self.model = pool.ctx.model
         self.inplace_queried = 0  # prompt tokens of the sessions placed in place (the cache saw none of them)
         self.kind_queried: Counter[str] = Counter()  # prompt tokens of started requests, by namespace kind
         self.kind_hits: Counter[str] = Counter()  # of those, not evaluated (kept in place or attached)
+        self.recomputed = 0  # sequences evaluated again: a draft's decode overwrote the window of their cut
 
     # -- admission ------------------------------------------------------------------------------------
 
@@ -79,6 +87,8 @@ class KvManager:
         except PoolExhausted:
             self.release(request, donate=False)
             return False
+        for choice in choices:
+            self._follow(choice.session.seq)
         for choice in placed:
             request.state.cached_tokens = max(request.state.cached_tokens, min(choice.session.n_past, len(request.prompt)))
         if first_start:
@@ -119,10 +129,9 @@ class KvManager:
     # -- growing ------------------------------------------------------------------------------------------
 
     @property
-    def can_cut(self) -> bool:
-        """Whether rejected draft rows can be cut from a stream: not from a recurrent state, and not
-        from a sliding window, whose cells a longer batch may have overwritten."""
-        return not self.model.info.carries_state and not self.pool.ctx.n_swa
+    def cuts_rows(self) -> bool:
+        """Whether rejected draft rows can ever be cut from a stream: never from a recurrent state."""
+        return not self.model.info.carries_state
 
     def allocate(self, choice: Choice, n_new: int, lookahead: int = 0) -> int | None:
         """Room in the choice's stream for its next `n_new` tokens and up to `lookahead` draft tokens
@@ -140,14 +149,21 @@ class KvManager:
     def commit(self, choice: Choice, n_accepted: int, n_decoded: int | None = None) -> None:
         """The decode evaluated `n_decoded` (default `n_accepted`) tokens after the session; the first
         `n_accepted` of them are the choice's next tokens and stay, the rows of the rest (rejected
-        draft tokens) are cut from the stream."""
+        draft tokens) are cut from the stream. Where the decode overwrote sliding-window rows that
+        the next token attends, the stream is emptied instead, and the choice's tokens are evaluated
+        again from the first (`recomputed` counts it)."""
         session = choice.session
         start = session.n_past
         session.tokens.extend(choice.tokens[start : start + n_accepted])
         if n_decoded is not None and n_decoded > n_accepted:
-            if not self.can_cut:
-                raise RuntimeError("rejected draft rows in a stream that cannot cut rows")
-            self.pool.ctx.seq_rm(session.seq, start + n_accepted, -1)
+            if self.pool.can_cut(session.seq, session.n_past):
+                self.pool.ctx.seq_rm(session.seq, session.n_past, -1)
+            else:
+                self.pool.ctx.seq_rm(session.seq)
+                session.tokens.clear()
+                self.recomputed += 1
+        if self.draft is not None:
+            self.draft.cut(session.seq, session.n_past)
 
     def checkpoint_if_at_mark(self, request: Request, choice: Choice) -> None:
         session = choice.session
@@ -168,6 +184,7 @@ class KvManager:
             self.pool.fork(parent.session, sibling.session)
             sibling.waits_for_fork = False
             sibling.forked = True
+            self._follow(sibling.session.seq)
         return siblings
 
     # -- the end --------------------------------------------------------------------------------------------
@@ -180,8 +197,14 @@ class KvManager:
             if donate and not choice.forked:
                 self.cache.insert(session, session.tokens, preview=self._preview(request))
             self.pool.end_session(session)
+            self._follow(session.seq)
             choice.session = None
             choice.forked = False
+
+    def _follow(self, seq: int) -> None:
+        """The draft stream of `seq` keeps only what the target stream still holds."""
+        if self.draft is not None:
+            self.draft.trim(seq, self.pool.held(seq))
 
     def _preview(self, request: Request) -> str:
         return self.model.detokenize(request.prompt[-24:])

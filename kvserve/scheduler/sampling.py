@@ -46,7 +46,7 @@ class Sampling:
         delta.token_ids.append(token)
         text = choice.detokenizer.feed(token)
         if choice.thinking is not None:
-            choice.thinking.observe(text)
+            choice.thinking.gate(choice.sampler, token, text)
         delta.text += choice.stop_matcher.feed(text)
         if choice.stop_matcher.matched is not None:
             choice.end(FinishReason.STOP)

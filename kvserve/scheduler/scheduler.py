@@ -27,6 +27,7 @@ from kvserve.llama.sampler import live_samplers
 from kvserve.scheduler.admission import Admission
 from kvserve.scheduler.batch_plan import BatchPlanner, Slot
 from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.draft_model import DraftModel
 from kvserve.scheduler.embeddings import Embedder
 from kvserve.scheduler.ending import Ending
 from kvserve.scheduler.kv_manager import KvManager
@@ -57,7 +58,7 @@ class StepTimes:
 class Scheduler:
     def __init__(self, pool: KvPool, cache: PrefixCache, config: SchedulerConfig,
                  embedder: Embedder | None = None, spec: SpecConfig | None = None,
-                 lora: LoraAdapters | None = None) -> None:
+                 lora: LoraAdapters | None = None, draft: DraftModel | None = None) -> None:
         self.pool = pool
         self.lora = lora  # the adapters requests may name (None: none loaded)
         self.embedder = embedder  # embedding jobs, one batch of them after each generation step
@@ -65,12 +66,12 @@ class Scheduler:
         self.config = config
         self.queues = Queues()
         self.times = StepTimes()
-        self.kv = KvManager(pool, cache)
+        self.kv = KvManager(pool, cache, draft)
         self.ending = Ending(self.kv, self.queues)
         self.admission = Admission(self.kv, self.ending, config, self.queues)
         tree = getattr(cache, "tree", None)
         self.speculator = Speculator(spec or SpecConfig(), TreeDrafter(tree) if tree is not None else None,
-                                     self.kv.can_cut)
+                                     self.kv.cuts_rows, draft)
         self.planner = BatchPlanner(self.kv, self.ending, config, self.queues, self.speculator)
         self.sampling = Sampling(pool.ctx, config.max_seq_len)
         self._inbox: deque[Request] = deque()
@@ -124,9 +125,11 @@ class Scheduler:
         try:
             self._take_inbox(outputs)
             self.admission.admit(outputs)
+            planned = time.perf_counter()
             slots = self.planner.plan(outputs)
             if slots:
                 self._run(slots, outputs)
+            self.speculator.end_step(time.perf_counter() - planned)
         except Exception:  # a bug must not hang every client: fail what is in flight, keep serving
             _log.exception("engine step failed; failing the requests in flight")
             self.ending.fail({*self.running, *self.waiting}, "internal engine error", outputs)

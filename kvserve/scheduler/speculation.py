@@ -8,7 +8,7 @@ draft's; that token is the step's correction. So the chain sees exactly the toke
 sampled without speculation (penalties, logit_bias, grammars and seeded RNG draws alike), and a
 drafter's guess can change how fast tokens come, never which.
 
-Choosing k (mode `auto`; a fixed drafter, `ngram` or `tree`, drafts all it guesses up to
+Choosing k (mode `auto`; a fixed drafter, `ngram`, `tree` or `draft`, drafts all it guesses up to
 `--draft-max`): a step costs about
 `a + b * tokens` seconds (`StepCost`, fitted on the steps the engine runs). A draft token that the
 target accepts with probability `p` adds `p` expected tokens for `b` seconds; the speculator adds
@@ -17,9 +17,19 @@ is less likely than `MIN_GAIN`. Where a
 step's cost grows with every token (a busy CPU) that stops drafts early; where weights dominate (one
 user) it lets long, likely drafts through. Acceptance is measured per drafter and per sequence.
 
+A draft model (`--draft-model`, `DraftModel`) drafts, in one batch, for the sequences no other
+drafter has a guess for (mode `draft`: all of them, to `--draft-max`, after a request's prediction).
+Its guesses are not free: each costs a decode of the draft model, `a_d + b_d * sequences` seconds
+(fitted on the draft decodes run). Under `auto` it drafts `k` tokens for the `m` sequences that
+want one only where `(E + m * (p + p^2 + .. + p^k)) / (T + k * m * b + k * (a_d + b_d * m))`, the
+expected tokens per second of draft and target step, beats `E / T` without it (`p`: its measured
+acceptance); the `k` tokens it drafted are then verified whole. Where it loses it is not asked again for `PROBE_AFTER` steps, twice as many after
+each probe that loses too, so that a measurement gone stale is re-probed, rarely.
+
 Invariants:
 - a draft never runs past the sequence's stream, its `max_tokens` or the longest sequence allowed;
-- nothing drafts for a model whose rows cannot be cut (`KvManager.can_cut`);
+- nothing drafts for a model whose rows cannot be cut (a recurrent state, `KvManager.cuts_rows`);
+  a sliding-window model drafts, and each cut asks its stream (`KvManager.commit`);
 - the step's tokens stay within the token budget.
 """
 
@@ -28,8 +38,12 @@ from __future__ import annotations
 import enum
 import heapq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.scheduler.drafters import Drafter, NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.draft_model import DraftModel
 
 
 class SpecMode(str, enum.Enum):
@@ -37,16 +51,54 @@ class SpecMode(str, enum.Enum):
     AUTO = "auto"  # every drafter, lengths chosen by measured acceptance and step cost
     NGRAM = "ngram"
     TREE = "tree"
-    DRAFT = "draft"  # a draft model: not built; refused at start-up
+    DRAFT = "draft"  # a draft model (`--draft-model`), after a request's prediction
 
 
 # A drafter's acceptance before any of its drafts was verified (optimistic enough to be tried).
-PRIOR_ACCEPTANCE = {"prediction": 0.8, "tree": 0.7, "ngram": 0.5}
+PRIOR_ACCEPTANCE = {"prediction": 0.8, "tree": 0.7, "ngram": 0.5, "draft": 0.6}
 # A draft token less likely than this to be accepted is never drafted, whatever the fitted cost says:
 # a fit on noisy steps can find a token free (b = 0, measured), and rejected rows are never free.
 MIN_GAIN = 0.25
 # Weight of the newest verification in a sequence's acceptance average.
 ACCEPTANCE_EMA = 0.3
+# Steps a losing draft model waits before `auto` probes it again (doubled after each losing probe,
+# up to `PROBE_AFTER_MAX`), and the length of a probe's drafts.
+PROBE_AFTER = 64
+PROBE_AFTER_MAX = 4096
+PROBE_LENGTH = 2
+# Decode-only steps measured in each arm (the draft model drafting, and not) before they are compared.
+GOODPUT_SAMPLES = 4
+GOODPUT_EMA = 0.2
+
+
+@dataclass
+class Goodput:
+    """Tokens emitted per second of step, as exponentially weighted means of both."""
+
+    samples: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if not self.samples else GOODPUT_EMA
+        self.tokens = (1 - w) * self.tokens + w * tokens
+        self.seconds = (1 - w) * self.seconds + w * seconds
+        self.samples += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _ModelStep:
+    """The step under way where the draft model was asked: whether it drafted, for how many decoding
+    sequences, whether the step carries other tokens (then it is not measured), tokens emitted."""
+
+    drafted: bool
+    n_decoding: int
+    decode_only: bool
+    tokens: int
 
 
 @dataclass
@@ -104,9 +156,12 @@ class SpecConfig:
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, tree_drafter: TreeDrafter | None, can_cut: bool) -> None:
+    def __init__(self, config: SpecConfig, tree_drafter: TreeDrafter | None, can_cut: bool,
+                 draft_model: "DraftModel | None" = None) -> None:
         self.config = config
         self.enabled = config.mode is not SpecMode.OFF and can_cut
+        if config.mode is SpecMode.DRAFT and draft_model is None:
+            raise ValueError("--speculative draft needs --draft-model")
         self.cost = StepCost()
         self.stats: dict[str, DrafterStats] = {}
         ngram, prediction = NgramDrafter(), PredictionDrafter()
@@ -114,16 +169,26 @@ class Speculator:
             SpecMode.AUTO: [prediction, *([tree_drafter] if tree_drafter else []), ngram],
             SpecMode.NGRAM: [prediction, ngram],
             SpecMode.TREE: [prediction, *([tree_drafter] if tree_drafter else [])],
+            SpecMode.DRAFT: [prediction],
         }
         self.drafters = drafters.get(config.mode, []) if self.enabled else []
-        for drafter in self.drafters:
+        # the draft model, asked after the drafters for the sequences none of them has a guess for
+        joins = self.enabled and config.mode in (SpecMode.DRAFT, SpecMode.AUTO)
+        self.draft_model = draft_model if joins else None
+        self._probe_after = PROBE_AFTER
+        self._skipped = 0  # steps since auto last let the draft model draft
+        self.goodput: dict[tuple[bool, int], Goodput] = {}  # by (model drafted, bucket of decoding sequences)
+        self._step: _ModelStep | None = None
+        for drafter in [*self.drafters, *([draft_model] if self.draft_model else [])]:
             self.stats[drafter.name] = DrafterStats()
 
     def describe(self) -> dict:
         """What /server_info says of speculation."""
+        model = self.draft_model
         return {"mode": self.config.mode.value, "enabled": self.enabled, "draft_max": self.config.draft_max,
-                "drafters": [d.name for d in self.drafters],
-                "step_cost": {"a_seconds": round(self.cost.a, 5), "b_seconds_per_token": round(self.cost.b, 6)}}
+                "drafters": [d.name for d in self.drafters] + ([model.name] if model else []),
+                "step_cost": {"a_seconds": round(self.cost.a, 5), "b_seconds_per_token": round(self.cost.b, 6)},
+                **(model.describe() if model else {})}
 
     def global_rate(self, drafter: str) -> float:
         stats = self.stats[drafter]
@@ -133,16 +198,20 @@ class Speculator:
     def choose(self, candidates: list[tuple[SpecState, int]], n_decoding: int, n_other: int) -> list[tuple[list[int], str]]:
         """Drafts for `candidates` (a state and the most draft tokens its stream, limits and the
         budget allow), for a step that decodes `n_decoding` sequences and carries `n_other` other
-        tokens: each draft token is kept while it raises expected tokens per second of step."""
+        tokens: each draft token is kept while it raises expected tokens per second of step (the draft
+        model's drafts whole: their length was chosen pricing their decodes and their verification)."""
         proposals: list[tuple[list[int], str, float]] = []
         for state, limit in candidates:
             proposals.append(self._propose(state, min(limit, self.config.draft_max)))
+        if self.draft_model is not None:
+            self._draft_with_model(candidates, proposals, n_decoding, n_other)
         if self.config.mode is not SpecMode.AUTO:
             return [(draft, name) for draft, name, _ in proposals]  # a fixed drafter drafts all it can
-        tokens = n_decoding + n_other
-        expected = float(n_decoding)
-        keep = [0] * len(proposals)
-        heap = [(-rate, i) for i, (draft, _, rate) in enumerate(proposals) if draft]
+        modelled = [name == "draft" for _, name, _ in proposals]
+        keep = [len(draft) if whole else 0 for (draft, _, _), whole in zip(proposals, modelled)]
+        tokens = n_decoding + n_other + sum(keep)
+        expected = n_decoding + sum(sum(rate ** j for j in range(1, n + 1)) for (_, _, rate), n in zip(proposals, keep))
+        heap = [(-rate, i) for i, (draft, _, rate) in enumerate(proposals) if draft and not modelled[i]]
         heapq.heapify(heap)
         while heap:
             neg_gain, i = heapq.heappop(heap)
@@ -157,6 +226,57 @@ class Speculator:
                 heapq.heappush(heap, (-(gain * rate), i))
         return [(draft[:n], name) for (draft, name, _), n in zip(proposals, keep)]
 
+    def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[tuple[list[int], str, float]],
+                          n_decoding: int, n_other: int) -> None:
+        """The draft model's guesses, in one batch, for the candidates without a proposal."""
+        model = self.draft_model
+        assert model is not None
+        wanting = [i for i, (state, limit) in enumerate(candidates)
+                   if not proposals[i][0] and min(limit, self.config.draft_max) > 0]
+        if not wanting:
+            return
+        rates = [candidates[i][0].rate(model.name, self.global_rate(model.name)) for i in wanting]
+        k = self.config.draft_max if self.config.mode is SpecMode.DRAFT else self._model_length(
+            sum(rates) / len(rates), len(wanting), n_decoding + n_other, n_decoding)
+        self._step = _ModelStep(k > 0, n_decoding, n_other == 0, n_decoding)
+        if k <= 0:
+            return
+        wants = [(candidates[i][0].sequence.seq, candidates[i][0].sequence.tokens,
+                  min(k, candidates[i][1], self.config.draft_max)) for i in wanting]
+        for i, draft, rate in zip(wanting, model.draft(wants), rates):
+            proposals[i] = (draft, model.name, rate)
+
+    def _model_length(self, p: float, m: int, tokens: int, expected: float) -> int:
+        """How many tokens the draft model drafts for `m` sequences (acceptance `p` each) in a step of
+        `tokens` tokens that is expected to emit `expected`: the length that most raises expected
+        tokens per second of draft and target step, 0 where none raises it or where the steps measured
+        say the model loses (then a probe, rarely)."""
+        model = self.draft_model
+        assert model is not None
+        with_model, without = (self.goodput.get((arm, _bucket(int(expected))), Goodput()) for arm in (True, False))
+        if with_model.samples >= GOODPUT_SAMPLES > without.samples:
+            return 0  # measure the other arm
+        measured_loss = min(with_model.samples, without.samples) >= GOODPUT_SAMPLES and with_model.rate < without.rate
+        base = self.cost.seconds(tokens)
+        best_k, best = 0, expected / base
+        gain, q = 0.0, 1.0
+        for k in range(1, self.config.draft_max + 1):
+            q *= p
+            if q < MIN_GAIN:
+                break
+            gain += m * q
+            seconds = base + k * m * self.cost.b + k * model.cost.seconds(m)
+            if (expected + gain) / seconds > best:
+                best_k, best = k, (expected + gain) / seconds
+        if best_k and not measured_loss:
+            self._skipped, self._probe_after = 0, PROBE_AFTER
+            return best_k
+        self._skipped += 1
+        if self._skipped < self._probe_after:
+            return 0
+        self._skipped, self._probe_after = 0, min(2 * self._probe_after, PROBE_AFTER_MAX)
+        return PROBE_LENGTH
+
     def _propose(self, state: SpecState, k: int) -> tuple[list[int], str, float]:
         """The first drafter with a guess, in order (a request's prediction first)."""
         if k <= 0:
@@ -167,8 +287,17 @@ class Speculator:
                 return draft, drafter.name, state.rate(drafter.name, self.global_rate(drafter.name))
         return [], "", 0.0
 
+    def end_step(self, seconds: float) -> None:
+        """The step ran for `seconds` (draft decodes, target decode, sampling): measure its goodput
+        where the draft model was asked and the step only decoded."""
+        step, self._step = self._step, None
+        if step is not None and step.decode_only:
+            self.goodput.setdefault((step.drafted, _bucket(step.n_decoding)), Goodput()).observe(step.tokens, seconds)
+
     def record(self, state: SpecState, drafter: str, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens from `drafter` kept `accepted` of them."""
+        if self._step is not None:
+            self._step.tokens += accepted
         stats = self.stats[drafter]
         stats.drafts += 1
         stats.drafted += drafted
@@ -180,3 +309,8 @@ class Speculator:
         if drafter == "prediction":
             state.prediction_accepted += accepted
             state.prediction_rejected += drafted - accepted
+
+
+def _bucket(n_decoding: int) -> int:
+    """1, 2, 3-4, 5-8, ..: steps of about as many decoding sequences share a goodput measurement."""
+    return (n_decoding - 1).bit_length()

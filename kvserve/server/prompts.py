@@ -127,16 +127,16 @@ def turns_prompt(model: Model, template: ChatTemplate, turns: list[ChatTurn], pl
     syntax = syntax_for(reasoning, model.detokenize(tokens[-_TAIL_TOKENS:], special=True))
     if plan is not None and syntax is not None:
         plan = plan.after_thinking(_placement(syntax))
+        if syntax.format is ReasoningFormat.HARMONY and plan.format is ToolFormat.HARMONY:
+            syntax = replace(syntax, calls_next=plan.choice.mode is Mode.REQUIRED)  # its close leaves the header
     return ChatPrompt(tokens, marks, plan, syntax)
 
 
 _TAIL_TOKENS = 16  # enough of a prompt's end to see a thinking block it opened
 
 
-def _placement(syntax: ReasoningSyntax) -> Thinking | None:
-    """Where the tool grammar finds the thinking; None for harmony, whose calls it cannot describe."""
-    if syntax.format is not ReasoningFormat.DEEPSEEK:
-        return None
+def _placement(syntax: ReasoningSyntax) -> Thinking:
+    """Where the tool grammar finds the thinking (for harmony: the analysis)."""
     return Thinking.OPEN if syntax.starts_open else Thinking.OPTIONAL
 
 

@@ -181,11 +181,31 @@ _HERMES_THINK_TEMPLATE = _HERMES_TEMPLATE.replace(
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
     "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
-# gpt-oss's harmony, reduced to its message frame: the reply writes its channels itself.
+# gpt-oss's harmony, reduced: tools as a TypeScript namespace in a developer message, past calls as
+# messages to=functions.NAME, results from functions.NAME, past thinking dropped (as gpt-oss's template
+# drops it once a final answer followed). The generation prompt opens the analysis body, as a
+# template that forces thinking does; `open_analysis: false` leaves the header to the reply.
 _HARMONY_TEMPLATE = """\
-{% for message in messages %}<|start|>{{ message.role }}\
-{% if message.role == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ message.content }}<|end|>\
-{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"""
+{% if tools %}<|start|>developer<|message|># Tools
+
+## functions
+
+namespace functions {
+{% for tool in tools %}
+// {{ tool.function.description | default('') }}
+type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;
+{% endfor %}
+} // namespace functions<|end|>{% endif %}\
+{% for message in messages %}\
+{% if message.role == 'assistant' and message.tool_calls %}\
+{% for call in message.tool_calls %}<|start|>assistant to=functions.{{ call.function.name }}\
+<|channel|>commentary json<|message|>{{ call.function.arguments | tojson }}<|call|>{% endfor %}\
+{% elif message.role == 'tool' %}<|start|>functions.{{ message.name }} to=assistant<|channel|>commentary\
+<|message|>{{ message.content }}<|end|>\
+{% elif message.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>\
+{% else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{% endif %}\
+{% endfor %}{% if add_generation_prompt %}<|start|>assistant\
+{% if open_analysis is not defined or open_analysis %}<|channel|>analysis<|message|>{% endif %}{% endif %}"""
 
 TEMPLATES: dict[str, str] = {"hermes": _HERMES_TEMPLATE, "llama3": _LLAMA3_TEMPLATE, "mistral": _MISTRAL_TEMPLATE,
                              "hermes-think": _HERMES_THINK_TEMPLATE, "harmony": _HARMONY_TEMPLATE}
@@ -193,7 +213,8 @@ TEMPLATES: dict[str, str] = {"hermes": _HERMES_TEMPLATE, "llama3": _LLAMA3_TEMPL
 # in place of SmolLM2's unused ones.
 _MARKER_TOKENS = {"hermes": {4: "<tool_call>", 5: "</tool_call>"}, "mistral": {4: "[TOOL_CALLS]"},
                   "hermes-think": {4: "<tool_call>", 5: "</tool_call>"},
-                  "harmony": {4: "<|channel|>", 5: "<|message|>", 6: "<|start|>", 7: "<|end|>"}}
+                  "harmony": {4: "<|channel|>", 5: "<|message|>", 6: "<|start|>", 7: "<|end|>", 8: "<|call|>",
+                              9: "<|return|>", 10: "<|constrain|>"}}
 
 
 def _tokenizer_with_template(template: str | None) -> list[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]:

@@ -17,6 +17,7 @@ class ToolFormat(str, enum.Enum):
     HERMES = "hermes"  # Hermes 2 Pro, Qwen 2.5/3: <tool_call>{"name": ..., "arguments": ...}</tool_call>
     LLAMA3 = "llama3"  # Llama 3.1-3.3: the whole reply is {"name": ..., "parameters": ...}
     MISTRAL = "mistral"  # Mistral v3 and Nemo: [TOOL_CALLS][{"name": ..., "arguments": ...}, ...]
+    HARMONY = "harmony"  # gpt-oss: a message to=functions.NAME whose body is the arguments (`kvserve.reply`)
     GENERIC = "generic"  # a template that knows nothing of tools: kvserve describes them itself
 
     @property
@@ -41,6 +42,9 @@ class ToolFormat(str, enum.Enum):
 
 
 def detect_format(template_source: str) -> ToolFormat:
+    # gpt-oss's template writes a call's header in pieces: "<|start|>assistant to=" then "functions." + name
+    if "<|channel|>" in template_source and "to=" in template_source and "functions." in template_source:
+        return ToolFormat.HARMONY
     if "[TOOL_CALLS]" in template_source:
         return ToolFormat.MISTRAL
     if "<tool_call>" in template_source:

@@ -73,6 +73,8 @@ def tool_grammar(fmt: ToolFormat, tools: list[FunctionTool], *, required: bool, 
     from the first token lets it through, and a lazy one's patterns fire only after it closed."""
     for tool in tools:
         check_parameters(tool)
+    if fmt is ToolFormat.HARMONY:
+        return _harmony_grammar(tools, required, thinking)
     head = _THINK_RULES[thinking] if thinking is not None else ("", "")
     if fmt is ToolFormat.GENERIC:
         rules, reply = _converted(tools, fmt.arguments_key, "reply",
@@ -94,7 +96,9 @@ def tool_grammar(fmt: ToolFormat, tools: list[FunctionTool], *, required: bool, 
 
 
 class Thinking(str, enum.Enum):
-    """Where a reply's `<think>` block is: opened by the prompt, or perhaps by the reply itself."""
+    """Where a reply's `<think>` block is: opened by the prompt, or perhaps by the reply itself.
+    In harmony: the prompt opened the analysis body, or the reply writes its first header (after
+    the prompt's `<|start|>assistant`), perhaps an analysis message's."""
 
     OPEN = "open"
     OPTIONAL = "optional"
@@ -109,9 +113,11 @@ _THINK_RULES = {
     Thinking.OPTIONAL: ('("<think>" think-text "</think>" ws)? ', f"{_THINK_TEXT}\n"),
 }
 # A lazy pattern's gate: the text before the trigger has closed its thinking (or never opened any).
+# The engine arms a lazy grammar only once the thinking closed, replaying the tokens from the close's
+# first on (`scheduler.thinking`): the text it sees may start inside the close tag's token.
 _GATES = {
     Thinking.OPEN: r"^[\s\S]*?</think>",
-    Thinking.OPTIONAL: r"^(?:[ \t\n]*<think>[\s\S]*?</think>|(?![ \t\n]*<think>))",
+    Thinking.OPTIONAL: r"^(?:[ \t\n]*(?:<think>)?[\s\S]*?</think>|(?![ \t\n]*<think>))",
 }
 
 
@@ -231,3 +237,46 @@ def _prefixes(atoms: list[str]) -> str:
     if not atoms:
         return ""
     return f"(?:{atoms[0]}{_prefixes(atoms[1:])})?"
+
+
+# -- harmony (gpt-oss) ----------------------------------------------------------------------------------
+# A call is a message: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}`,
+# or recipient first, ` to=functions.NAME<|channel|>commentary json<|message|>{args}`, right after
+# `<|start|>assistant`; `<|call|>` (end of generation) follows. The analysis before it is free text
+# up to its `<|end|>`.
+_H_CHANNEL_CALL = "<|channel|>commentary to=functions."
+_H_RECIPIENT_CALL = " to=functions."
+# Analysis text: anything that does not spell `<|end|>`.
+_ANALYSIS_TEXT = ('analysis-text ::= ([^<] | "<" ([^|] | "|" ([^e] | "e" ([^n] | "n" ([^d] | "d" ([^|] | "|" '
+                  '[^>]))))))*')
+_ANALYSIS_HEAD = {
+    Thinking.OPEN: 'analysis-text "<|end|><|start|>assistant" ',
+    Thinking.OPTIONAL: '("<|channel|>analysis<|message|>" analysis-text "<|end|><|start|>assistant")? ',
+}
+
+
+def _harmony_grammar(tools: list[FunctionTool], required: bool, thinking: Thinking | None) -> ToolGrammar:
+    """One call message to one of `tools`, its arguments held to the tool's schema. Required: from
+    the reply's first token, after an analysis message (`thinking`: the prompt opened its body, or
+    the reply may write one; None: as OPTIONAL, the prompt ending in `<|start|>assistant`). Else
+    lazy, from the recipient prefix of a call's header."""
+    assert tools, "a format with call syntax needs a tool to call"
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    channel_first, recipient_first = [], []
+    for i, tool in enumerate(tools):
+        parameters = converter.resolve_refs(_namespaced(tool.parameters, f"t{i}-"), f"tool{i}")
+        arguments = converter.visit(parameters, f"arguments{i}")
+        name = json.dumps(tool.name)
+        channel_first.append(f"{name} harmony-json {arguments}")
+        recipient_first.append(f'{name} "<|channel|>commentary" harmony-json {arguments}')
+    rules = _JSON_CHAR.sub(lambda _: _STRICT_JSON_CHAR, converter.format_grammar())
+    call = (f'"{_H_CHANNEL_CALL}" ({" | ".join(channel_first)}) | '
+            f'"{_H_RECIPIENT_CALL}" ({" | ".join(recipient_first)})')
+    common = f'harmony-json ::= " "? ("<|constrain|>"? "json")? "<|message|>"\n{_WS_RULE}\n{rules}'
+    if required:
+        head = _ANALYSIS_HEAD[thinking or Thinking.OPTIONAL]
+        return ToolGrammar(f"root ::= {head}({call})\n{_ANALYSIS_TEXT}\n{common}")
+    names = "|".join(_prefixes([_literal(c) for c in tool.name]) for tool in tools)
+    patterns = (f"^[\\s\\S]*?({_literal(_H_CHANNEL_CALL)})(?:{names})$",
+                f"^(?:[\\s\\S]*?{_literal('<|start|>assistant')})?({_literal(_H_RECIPIENT_CALL)})(?:{names})$")
+    return ToolGrammar(f"root ::= {call}\n{common}", patterns)

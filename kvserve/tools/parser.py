@@ -92,6 +92,8 @@ class ToolCallParser:
         self._events: list[ToolEvent] = []
         self._content: list[str] = []
         self._pending = ""  # content held back: trailing whitespace and a possible start of the marker
+        self._pending_ws = 0  # how many of `_pending`'s first characters are known to be whitespace
+        self.examined = 0  # characters the content scan looked at: each once, and each held whitespace once more
         self._held_ws = ""  # whitespace before a possible call: dropped if it is one
         self._raw: list[str] | None = None  # text of a possible call, while it may still be content
         self._open: _Call | None = None  # a certain call whose closing brace is not read yet
@@ -170,7 +172,7 @@ class ToolCallParser:
         was held for it is syntax, not content."""
         call, self._open = self._open, None
         assert call is not None
-        if not _is_json_object("".join(call.arguments)):
+        if not is_json_object("".join(call.arguments)):
             raise _NotACall
         self._raw = None
         self._held_ws = ""
@@ -269,11 +271,12 @@ class ToolCallParser:
     def _read_content(self, ch: str | None, openings: tuple[str, ...]) -> Steps:
         """Content up to and including an opening: returns it once read, None at the end."""
         while ch is not None:
+            self.examined += 1
             self._pending += ch
             opening = next((o for o in openings if self._pending.endswith(o)), None)
             if opening is not None:
                 self._held_ws = self._pending[: -len(opening)]  # only whitespace: the rest went out
-                self._pending = ""
+                self._pending, self._pending_ws = "", 0
                 return opening
             cut = self._safe_length(openings)
             self._emit_content(self._pending[:cut])
@@ -282,13 +285,19 @@ class ToolCallParser:
         return None
 
     def _safe_length(self, openings: tuple[str, ...]) -> int:
-        """How much of the pending content can be neither an opening's start nor whitespace before it."""
+        """How much of the pending content can be neither an opening's start nor whitespace before it.
+        The whitespace already known to lead it is not walked again: a long run costs its length."""
         pending = self._pending
         keep = max((k for opening in openings for k in range(1, min(len(pending), len(opening) - 1) + 1)
                     if pending.endswith(opening[:k])), default=0)
         cut = len(pending) - keep
-        while cut > 0 and pending[cut - 1] in _WS:
+        known = min(self._pending_ws, cut)
+        while cut > known and pending[cut - 1] in _WS:
             cut -= 1
+            self.examined += 1
+        if cut == known:  # all of it whitespace
+            cut = 0
+        self._pending_ws = len(pending) - keep - cut
         return cut
 
     def _generic_reply(self, ch: str | None) -> Steps:
@@ -446,7 +455,7 @@ class ToolCallParser:
         return ch
 
 
-def _is_json_object(text: str) -> bool:
+def is_json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text, parse_constant=_reject), dict)
     except ValueError:

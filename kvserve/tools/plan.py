@@ -30,7 +30,7 @@ class ToolPlan:
     @property
     def special_text(self) -> bool:
         """The reply must be read with special tokens spelled out: a marker may be one."""
-        return self.format.opening is not None
+        return self.format.opening is not None or self.format is ToolFormat.HARMONY
 
     def template(self, template: ChatTemplate) -> ChatTemplate:
         """`template` with the tools in its context, for templates that render them themselves."""
@@ -50,7 +50,7 @@ class ToolPlan:
 
     def after_thinking(self, thinking: Thinking | None) -> "ToolPlan":
         """This plan for a reply that thinks first: its grammar lets the thinking through, or waits
-        for it to close; None: thinking no grammar here describes (harmony's channels), so none."""
+        for it to close (a `<think>` block, or harmony's analysis); None: no grammar."""
         if thinking is None:
             return replace(self, grammar=None)
         grammar = tool_grammar(self.format, list(self.callable), required=self.choice.mode is Mode.REQUIRED,
