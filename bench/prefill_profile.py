@@ -66,7 +66,8 @@ def shares(wall: float, before: dict, after: dict) -> dict:
     d = {name: after[name] - before[name] for name in COUNTERS}
     return {"wall_s": wall, "steps": d["steps"], "decodes": d["decodes"], "tokens": d["decode_tokens"],
             "tokens_per_decode": d["decode_tokens"] / d["decodes"] if d["decodes"] else 0.0,
-            "in_llama_decode": d["decode_seconds"] / wall, "rest_of_step": (d["step_seconds"] - d["decode_seconds"]) / wall,
+            "in_llama_decode": d["decode_seconds"] / wall,
+            "rest_of_step": (d["step_seconds"] - d["decode_seconds"]) / wall,
             "hand_off": (d["loop_seconds"] - d["step_seconds"]) / wall, "between_steps": 1 - d["loop_seconds"] / wall,
             "decode_s_per_token": d["decode_seconds"] / d["decode_tokens"] if d["decode_tokens"] else 0.0}
 
@@ -98,7 +99,8 @@ def llama_read(url: str, before: dict | None = None, wall: float = 0.0) -> dict:
     if before is None:
         return now
     d = {k: now[k] - before[k] for k in now}
-    return {"wall_s": wall, "decodes": d["decodes"], "tokens_per_decode": d["tokens"] / d["decodes"] if d["decodes"] else 0.0}
+    return {"wall_s": wall, "decodes": d["decodes"],
+            "tokens_per_decode": d["tokens"] / d["decodes"] if d["decodes"] else 0.0}
 
 
 def profile(server: str, model: Path, users: int, threads: int) -> dict:

@@ -9,8 +9,8 @@ Servers, two threads each:
 - kvserve `--speculative off`, `ngram`, `tree`, `draft --draft-model 0.5B` and `auto --draft-model 0.5B`;
 - llama-server (`make bench-setup` builds it) `--spec-type none`, `draft-simple -md 0.5B` (its default of
   3 draft tokens), `ngram-mod` and `ngram-mod,draft-simple`.
-A server that refuses to start is skipped with its reason printed and recorded (kvserve's `draft` mode
-before it is served); `auto` whose draft model is refused runs without one and says so.
+A server that refuses to start is skipped with its reason printed and recorded (a kvserve built
+without `--draft-model`); `auto` whose draft model is refused runs without one and says so.
 
 Workloads, greedy, 64 tokens:
 - edit: a code edit whose answer repeats most of the input (rename a variable in a function);
@@ -22,7 +22,8 @@ Workloads, greedy, 64 tokens:
 Every request but regenerate's starts with its own tag, so none finds an earlier answer in the tree.
 At 1 user, 3 requests one after another; at 4 and 8 users, one round of that many requests at once.
 A cell's rate is the median over its requests. The full run is about 20 minutes on 2 quiet cores;
-`--quick` runs one user only, `--cells` picks cells by glob over `server/workload/users`.
+`--quick` runs one user only (about 7 minutes), `--cells` picks cells by glob over
+`server/workload/users`; either writes speculative-partial.* instead of the full run's results.
 
 python -m bench speculative [--quick] [--cells 'kvserve-*/edit/1' 'llama-server-*/edit/1']
 """
@@ -229,11 +230,12 @@ def main(quick: bool = False, cells: list[str] | None = None) -> str:
     began = time.monotonic()
     for server in servers(target, draft):
         serve(run, server, target, users_levels)
+    name = "speculative" if not quick and not cells else "speculative-partial"  # only a full run replaces the README's
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "speculative.json").write_text(json.dumps(
+    (RESULTS / f"{name}.json").write_text(json.dumps(
         {"target": target.name, "draft": draft.name if draft else None, "max_tokens": MAX_TOKENS,
          "threads": THREADS, "seconds": round(time.monotonic() - began), "rows": run.rows}, indent=1))
-    return report(run.rows)
+    return report(run.rows, name)
 
 
 def rate(rows: list[dict], server: str, workload: str, users: int) -> float:
@@ -264,8 +266,9 @@ def targets(rows: list[dict]) -> list[tuple[str, float | None, float]]:
     return found
 
 
-def report(rows: list[dict]) -> str:
-    lines = ["| server | workload | users | decode tok/s | vs kvserve off | median TTFT s |", "|---|---|---|---|---|---|"]
+def report(rows: list[dict], name: str = "speculative") -> str:
+    lines = ["| server | workload | users | decode tok/s | vs kvserve off | median TTFT s |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("skipped"):
             lines.append(f"| {r['server']} | skipped: {r['skipped']} | | | | |")
@@ -283,5 +286,5 @@ def report(rows: list[dict]) -> str:
         lines.append(f"| {what} | {shown} | >= {goal}x | {met} |")
     text = "\n".join(lines)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "speculative.md").write_text(text + "\n")
+    (RESULTS / f"{name}.md").write_text(text + "\n")
     return text
