@@ -32,20 +32,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("suite", nargs="?", default="compare", choices=SUITES)
     parser.add_argument("--quick", action="store_true",
-                        help="compare, sweep, embeddings: a smoke run (fewer rounds, points, tokens or texts)")
+                        help="compare, sweep, embeddings, speculative: a smoke run (fewer rounds, points, tokens, texts or users)")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, help="compare, sweep, embeddings: only these servers")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="compare: only these workloads")
+    parser.add_argument("--cells", nargs="+", metavar="GLOB",
+                        help="speculative: only the cells whose server/workload/users matches one, e.g. 'kvserve-*/edit/1'")
     args = parser.parse_args()
     if args.suite == "compare":
         print(compare.main(args.quick, args.servers, args.workloads))
     elif args.suite == "sweep":
         print(sweep.main(args.quick, args.servers))
+    elif args.suite == "speculative":
+        print(speculative.main(args.quick, args.cells))
     elif args.suite == "embeddings":
         print(embeddings.main(args.quick, args.servers))
     else:
         suites = {"attention": attention, "host-tier": host_tier, "kv-types": kv_types, "lora": lora,
                   "serving": serving, "prefix": prefix, "checkpoints": checkpoints, "soak": soak,
-                  "speculative": speculative, "cache-view": cache_view}
+                  "cache-view": cache_view}
         print(suites[args.suite].main())
 
 

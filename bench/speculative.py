@@ -1,28 +1,41 @@
-"""The speculative-decoding benchmark: decode tokens per second after the first token, kvserve with
-`--speculative off`, `ngram` and `auto`, and llama-server without speculation and with `ngram-mod`
-where its binary is built (`make bench-setup`).
+"""The speculative-decoding benchmark: decode tokens per second after the first token, per cell
+(server, workload, concurrent users), and the ratios issue 27's targets name.
 
-Workloads, greedy:
+Target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct (same tokenizer; both from their
+part packages, `make install-bench`). Where the 1.5B is absent the 0.5B is the target and the cells that
+need a draft model are left out (a model drafting for itself measures nothing).
+
+Servers, two threads each:
+- kvserve `--speculative off`, `ngram`, `tree`, `draft --draft-model 0.5B` and `auto --draft-model 0.5B`;
+- llama-server (`make bench-setup` builds it) `--spec-type none`, `draft-simple -md 0.5B` (its default of
+  3 draft tokens), `ngram-mod` and `ngram-mod,draft-simple`.
+A server that refuses to start is skipped with its reason printed and recorded (a kvserve built
+without `--draft-model`); `auto` whose draft model is refused runs without one and says so.
+
+Workloads, greedy, 64 tokens:
 - edit: a code edit whose answer repeats most of the input (rename a variable in a function);
-- edit+prediction: the same edit with OpenAI's `prediction` set to the original code (kvserve only;
-  no llama.cpp server honours the field);
+- edit+prediction: the same edit with OpenAI's `prediction` set to the edited code (kvserve only; no
+  llama.cpp server honours the field);
 - free: a free-form question, whose answer repeats little;
-- regenerate: the free-form question asked again (the prefix tree holds the earlier answer).
-Each at `USERS` concurrent users (one: what the issue's one-user targets ask; more users cost more
-than a run on a shared 2-core machine can spend). Every request but regenerate's starts with its own tag,
-so no request finds an earlier one's answer in the prefix tree.
+- regenerate: the free-form question asked again (the prefix tree holds the earlier answer); at 4
+  and 8 users only on kvserve off and auto (the 8-user target's pair), elsewhere at 1 user.
+Every request but regenerate's starts with its own tag, so none finds an earlier answer in the tree.
+At 1 user, 3 requests one after another; at 4 and 8 users, one round of that many requests at once.
+A cell's rate is the median over its requests. The full run is about 20 minutes on 2 quiet cores;
+`--quick` runs one user only (about 7 minutes), `--cells` picks cells by glob over
+`server/workload/users`; either writes speculative-partial.* instead of the full run's results.
 
-The target is Qwen2.5-Coder-0.5B-Instruct (the part packages `part_models.py` assembles); the issue's
-1.5B target is left out where its parts are not installed.
-
-python -m bench speculative
+python -m bench speculative [--quick] [--cells 'kvserve-*/edit/1' 'llama-server-*/edit/1']
 """
 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import statistics
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -30,12 +43,15 @@ import httpx
 from bench import llama_server
 from bench.client import gather_limited, stream_chat
 from kvserve.testing import ServerProcess, free_port
+from kvserve.testing.processes import ServerExited, kvserve_command
 from kvserve.testing.part_models import part_model
 
 RESULTS = Path(__file__).parent / "results"
-USERS = (1,)
+USERS = (1, 4, 8)
+ONE_USER_REQUESTS = 3
 MAX_TOKENS = 64
 THREADS = 2
+CTX = 4096  # per sequence
 
 CODE = '''def summarize(values):
     total = 0
@@ -53,11 +69,78 @@ CODE = '''def summarize(values):
 EDIT = [{"role": "user", "content": "Rename the variable `count` to `n` in this Python function. "
                                     "Reply with the whole function only, in a code block.\n\n```python\n" + CODE + "```"}]
 FREE = [{"role": "user", "content": "Explain in a few paragraphs why the sky is blue and why sunsets are red."}]
+KVSERVE_WORKLOADS = ("edit", "edit+prediction", "free", "regenerate")
+LLAMA_WORKLOADS = ("edit", "free", "regenerate")
 
 
 def workloads() -> dict[str, tuple[list[dict], dict]]:
     prediction = {"prediction": {"type": "content", "content": "```python\n" + CODE.replace("count", "n") + "```"}}
     return {"edit": (EDIT, {}), "edit+prediction": (EDIT, prediction), "free": (FREE, {}), "regenerate": (FREE, {})}
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str  # kvserve-<mode> or llama-server-<spec types>
+    argv: tuple[str, ...]  # kvserve settings as flags, or llama-server's speculative flags
+    workloads: tuple[str, ...]
+    fallback: tuple[str, ...] | None = None  # kvserve flags to run with instead when `argv` is refused
+    regenerate_users: tuple[int, ...] = (1,)  # the users at which it runs regenerate (off and auto: all)
+
+    @property
+    def kvserve(self) -> bool:
+        return self.name.startswith("kvserve")
+
+
+def servers(target: Path, draft: Path | None) -> list[Server]:
+    md = ("--draft-model", str(draft)) if draft else ()
+    runs = [Server("kvserve-off", ("--speculative", "off"), KVSERVE_WORKLOADS, regenerate_users=USERS)]
+    runs += [Server(f"kvserve-{mode}", ("--speculative", mode), KVSERVE_WORKLOADS) for mode in ("ngram", "tree")]
+    if draft:
+        runs.append(Server("kvserve-draft", ("--speculative", "draft", *md), KVSERVE_WORKLOADS))
+    runs.append(Server("kvserve-auto", ("--speculative", "auto", *md), KVSERVE_WORKLOADS,
+                       fallback=("--speculative", "auto") if draft else None, regenerate_users=USERS))
+    if llama_server.binary().is_file():
+        draft_flags = ("-md", str(draft), "--spec-draft-threads", str(THREADS),
+                       "--spec-draft-threads-batch", str(THREADS)) if draft else ()
+        runs.append(Server("llama-server-none", ("--spec-type", "none"), LLAMA_WORKLOADS))
+        if draft:
+            runs.append(Server("llama-server-draft-simple", ("--spec-type", "draft-simple", *draft_flags),
+                               LLAMA_WORKLOADS))
+        runs.append(Server("llama-server-ngram-mod", ("--spec-type", "ngram-mod"), LLAMA_WORKLOADS))
+        if draft:
+            runs.append(Server("llama-server-ngram-mod,draft-simple",
+                               ("--spec-type", "ngram-mod,draft-simple", *draft_flags), LLAMA_WORKLOADS))
+    else:
+        print(f"llama-server's cells left out: {llama_server.binary()} is not built (`make bench-setup`)")
+    return runs
+
+
+def start(server: Server, argv: tuple[str, ...], model: Path, log: Path) -> ServerProcess:
+    port = free_port()
+    if server.kvserve:
+        command = kvserve_command(port=port, model=str(model), threads=THREADS, parallel=max(USERS), ctx_size=CTX)
+    else:
+        command = [str(llama_server.binary()), "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
+                   "--threads", str(THREADS), "--threads-batch", str(THREADS), "--parallel", str(max(USERS)),
+                   "--ctx-size", str(CTX * max(USERS))]
+    return ServerProcess([*command, *argv], port, log)
+
+
+def started(server: Server, model: Path, log: Path) -> tuple[ServerProcess | None, str]:
+    """The server answering /health with its own flags, else with its fallback's; (None, why) if neither."""
+    why = ""
+    for argv in (server.argv, server.fallback):
+        if argv is None:
+            break
+        process = start(server, argv, model, log)
+        try:
+            process.wait_healthy(timeout=300)
+            return process, why
+        except (ServerExited, TimeoutError) as exc:
+            process.stop()
+            why = f"{' '.join(argv)} refused: {str(exc).splitlines()[-1][:300]}"
+            print(f"{server.name}: {why}", flush=True)
+    return None, why
 
 
 def tagged(messages: list[dict], tag: str) -> list[dict]:
@@ -74,77 +157,134 @@ def decode_rate(results) -> float:
 _tags = iter(range(10**6))
 
 
-async def measure(url: str, messages: list[dict], extra: dict, users: int, fresh: bool) -> dict:
-    """`fresh`: each request tagged apart, so none finds another's answer in the prefix tree."""
-    def one(n_tokens: int):
-        return lambda: stream_chat(client, url, tagged(messages, f"r{next(_tags)}") if fresh else messages,
-                                   n_tokens, extra)
-    async with httpx.AsyncClient() as client:
-        await one(MAX_TOKENS if not fresh else 4)()  # a warm-up; for regenerate, the answer asked again
-        results = await gather_limited([one(MAX_TOKENS) for _ in range(max(users, 2))], users)
+async def measure(url: str, workload: str, users: int) -> dict:
+    messages, extra = workloads()[workload]
+    fresh = workload != "regenerate"  # each request tagged apart, so none finds another's answer in the tree
+
+    def one():
+        return stream_chat(client, url, tagged(messages, f"r{next(_tags)}") if fresh else messages, MAX_TOKENS, extra)
+    # a fresh connection per request: llama-server closes idle keep-alive connections
+    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        if not fresh:
+            await one()  # the answer the regenerated requests find in the prefix tree
+        jobs = [one for _ in range(ONE_USER_REQUESTS if users == 1 else users)]
+        results = await gather_limited(jobs, users)
     errors = [r.error for r in results if r.error]
     return {"decode_tps": decode_rate(results), "tokens": statistics.mean(r.output_tokens for r in results),
-            "errors": errors[:1]}
+            "ttft": statistics.median(r.ttft for r in results), "errors": errors[:1]}
 
 
-def servers(model: Path) -> list[tuple[str, list[str] | dict, tuple[str, ...]]]:
-    """(name, kvserve settings or a llama-server argv tail, workloads it runs)."""
-    runs: list[tuple[str, list[str] | dict, tuple[str, ...]]] = [
-        (f"kvserve {mode}", {"speculative": mode}, ("edit", "edit+prediction", "free", "regenerate"))
-        for mode in ("off", "ngram", "auto")
-    ]
-    if llama_server.binary().is_file():
-        runs += [("llama-server none", [], ("edit", "free", "regenerate")),
-                 ("llama-server ngram-mod", ["--spec-type", "ngram-mod"], ("edit", "free", "regenerate"))]
-    return runs
+@dataclass
+class Run:
+    patterns: list[str] | None
+    rows: list[dict] = field(default_factory=list)
+
+    def wanted(self, server: str, workload: str, users: int) -> bool:
+        return not self.patterns or any(fnmatch.fnmatch(f"{server}/{workload}/{users}", p) for p in self.patterns)
+
+    def cells(self, server: Server, users_levels: tuple[int, ...]) -> list[tuple[str, int]]:
+        """(workload, users) that `server` runs, in order."""
+        return [(w, u) for w in server.workloads for u in users_levels
+                if (w != "regenerate" or u in server.regenerate_users) and self.wanted(server.name, w, u)]
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
 
 
-def start(name: str, spec, model: Path, log: Path) -> ServerProcess:
-    if isinstance(spec, dict):
-        return ServerProcess.kvserve(log, model=str(model), threads=THREADS, parallel=max(USERS), ctx_size=4096, **spec)
-    port = free_port()
-    argv = [str(llama_server.binary()), "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
-            "--threads", str(THREADS), "--threads-batch", str(THREADS), "--parallel", str(max(USERS)),
-            "--ctx-size", str(4096 * max(USERS)), *spec]
-    return ServerProcess(argv, port, log)
+def serve(run: Run, server: Server, model: Path, users_levels: tuple[int, ...]) -> None:
+    cells = run.cells(server, users_levels)
+    if not cells:
+        return
+    log = RESULTS / f"speculative-{server.name}.log"
+    process, why = started(server, model, log)
+    if process is None:
+        run.add({"server": server.name, "workload": "-", "users": 0, "decode_tps": 0.0, "skipped": why})
+        return
+    with process:
+        asyncio.run(_warm(process.url))
+        for workload, users in cells:
+            run.add({"server": server.name, "workload": workload, "users": users,
+                     **({"note": why} if why else {}), **asyncio.run(measure(process.url, workload, users))})
+        if server.kvserve:  # what kvserve measured a step to cost: seconds = a + b * tokens
+            info = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
+            run.add({"server": server.name, "workload": "server_info", "users": 0, "decode_tps": 0.0,
+                     "speculative": info})
 
 
-def main() -> str:
-    model = part_model("qwen2.5-coder-0.5b")
-    if model is None:
-        raise SystemExit("the Qwen2.5-Coder-0.5B part packages are not installed")
-    rows = []
-    for name, spec, names in servers(model):
-        log = RESULTS / f"speculative-{name.replace(' ', '-')}.log"
-        with start(name, spec, model, log) as server:
-            server.wait_healthy()
-            for workload, (messages, extra) in workloads().items():
-                if workload not in names:
-                    continue
-                for users in USERS:
-                    row = {"server": name, "workload": workload, "users": users,
-                           **asyncio.run(measure(server.url, messages, extra, users, workload != "regenerate"))}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-            if isinstance(spec, dict):  # what kvserve measured a step to cost: seconds = a + b * tokens
-                info = httpx.get(f"{server.url}/server_info", timeout=60).json()["speculative"]
-                rows.append({"server": name, "workload": "step cost", "users": 0, "decode_tps": 0.0,
-                             "step_cost": info["step_cost"]})
-                print(json.dumps(rows[-1]), flush=True)
+async def _warm(url: str) -> None:
+    """One short request, so a cell does not pay the first request's one-time costs."""
+    async with httpx.AsyncClient() as client:
+        await stream_chat(client, url, tagged(FREE, "warm-up"), 4)
+
+
+def main(quick: bool = False, cells: list[str] | None = None) -> str:
+    target, draft = part_model("qwen2.5-coder-1.5b"), part_model("qwen2.5-coder-0.5b")
+    if draft is None:
+        raise SystemExit("the Qwen2.5-Coder-0.5B part packages are not installed (`make install-bench`)")
+    if target is None:
+        print("Qwen2.5-Coder-1.5B is not installed: the 0.5B is the target, and no cell has a draft model")
+        target, draft = draft, None
+    users_levels = (1,) if quick else USERS
+    run = Run(cells)
+    began = time.monotonic()
+    for server in servers(target, draft):
+        serve(run, server, target, users_levels)
+    name = "speculative" if not quick and not cells else "speculative-partial"  # only a full run replaces the README's
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "speculative.json").write_text(json.dumps(rows, indent=1))
-    return table(rows)
+    (RESULTS / f"{name}.json").write_text(json.dumps(
+        {"target": target.name, "draft": draft.name if draft else None, "max_tokens": MAX_TOKENS,
+         "threads": THREADS, "seconds": round(time.monotonic() - began), "rows": run.rows}, indent=1))
+    return report(run.rows, name)
 
 
-def table(rows: list[dict]) -> str:
-    base = {(r["workload"], r["users"]): r["decode_tps"] for r in rows if r["server"] == "kvserve off"}
-    lines = ["| server | workload | users | decode tok/s | vs kvserve off |", "|---|---|---|---|---|"]
+def rate(rows: list[dict], server: str, workload: str, users: int) -> float:
+    return next((r["decode_tps"] for r in rows if (r["server"], r["workload"], r["users"]) == (server, workload, users)
+                 and not r.get("skipped")), 0.0)
+
+
+def targets(rows: list[dict]) -> list[tuple[str, float | None, float]]:
+    """(what, measured ratio or None where a cell is missing, goal): the ratios issue 27 sets goals for."""
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if a and b else None
+
+    llama = [(rate(rows, r["server"], "edit", 1), r["server"]) for r in rows
+             if r["server"].startswith("llama-server") and r["workload"] == "edit" and r["users"] == 1]
+    best_llama, best_name = max(llama, default=(0.0, "llama-server"))
+    off = {w: rate(rows, "kvserve-off", w, 1) for w in KVSERVE_WORKLOADS}
+    auto_edit = rate(rows, "kvserve-auto", "edit", 1)
+    found = [
+        ("edit, 1 user: auto / off", ratio(auto_edit, off["edit"]), 1.5),
+        (f"edit, 1 user: auto / {best_name} (llama-server's best)", ratio(auto_edit, best_llama), 1.25),
+        ("edit+prediction, 1 user: auto / off", ratio(rate(rows, "kvserve-auto", "edit+prediction", 1),
+                                                      off["edit+prediction"]), 2.5),
+        ("free, 1 user: auto / off", ratio(rate(rows, "kvserve-auto", "free", 1), off["free"]), 1.0),
+    ]
+    for workload in KVSERVE_WORKLOADS:
+        found.append((f"{workload}, 8 users: auto / off", ratio(rate(rows, "kvserve-auto", workload, 8),
+                                                              rate(rows, "kvserve-off", workload, 8)), 0.98))
+    return found
+
+
+def report(rows: list[dict], name: str = "speculative") -> str:
+    lines = ["| server | workload | users | decode tok/s | vs kvserve off | median TTFT s |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
-        if "step_cost" in r:
+        if r.get("skipped"):
+            lines.append(f"| {r['server']} | skipped: {r['skipped']} | | | | |")
             continue
-        ref = base.get((r["workload"], r["users"])) or 0.0
-        ratio = f"{r['decode_tps'] / ref:.2f}x" if ref else "-"
-        lines.append(f"| {r['server']} | {r['workload']} | {r['users']} | {r['decode_tps']:.1f} | {ratio} |")
+        if "ttft" not in r:
+            continue
+        ref = rate(rows, "kvserve-off", r["workload"], r["users"])
+        vs = f"{r['decode_tps'] / ref:.2f}x" if ref else "-"
+        error = f" ({r['errors'][0][:60]})" if r["errors"] else ""
+        lines.append(f"| {r['server']} | {r['workload']}{error} | {r['users']} | {r['decode_tps']:.1f} | {vs} "
+                     f"| {r['ttft']:.2f} |")
+    lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
+    for what, measured, goal in targets(rows):
+        shown, met = ("-", "-") if measured is None else (f"{measured:.2f}x", "yes" if measured >= goal else "no")
+        lines.append(f"| {what} | {shown} | >= {goal}x | {met} |")
     text = "\n".join(lines)
-    (RESULTS / "speculative.md").write_text(text + "\n")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(text + "\n")
     return text

@@ -320,3 +320,50 @@ def test_lora_times_steps_with_and_without_a_switch(smollm2: Path, tmp_path: Pat
     assert set(result["median_ms"]) == {"base", "same set", "switching"}
     assert all(ms > 0 for ms in result["median_ms"].values())
     assert "A switch of adapter set costs" in (tmp_path / "lora.md").read_text()
+
+
+def test_speculative_targets_divide_cells_of_the_same_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import speculative
+
+    monkeypatch.setattr(speculative, "RESULTS", tmp_path)
+
+    def row(server: str, workload: str, users: int, tps: float) -> dict:
+        return {"server": server, "workload": workload, "users": users, "decode_tps": tps, "ttft": 0.5, "errors": []}
+    rows = [row("kvserve-off", "edit", 1, 20.0), row("kvserve-auto", "edit", 1, 40.0),
+            row("llama-server-none", "edit", 1, 25.0), row("llama-server-ngram-mod", "edit", 1, 32.0),
+            row("kvserve-off", "free", 8, 10.0), row("kvserve-auto", "free", 8, 9.7),
+            {"server": "kvserve-draft", "workload": "-", "users": 0, "decode_tps": 0.0, "skipped": "refused"}]
+    found = {what: (ratio, goal) for what, ratio, goal in speculative.targets(rows)}
+    assert found["edit, 1 user: auto / off"] == (2.0, 1.5)
+    assert found["edit, 1 user: auto / llama-server-ngram-mod (llama-server's best)"] == (1.25, 1.25)
+    assert found["free, 8 users: auto / off"] == (pytest.approx(0.97), 0.98)
+    assert found["free, 1 user: auto / off"] == (None, 1.0)  # a missing cell is no ratio, not 0
+    text = speculative.report(rows)
+    assert "| kvserve-auto | edit | 1 | 40.0 | 2.00x |" in text
+    assert "| kvserve-draft | skipped: refused |" in text
+    assert "| free, 8 users: auto / off | 0.97x | >= 0.98x | no |" in text
+    assert (tmp_path / "speculative.md").read_text() == text + "\n"
+
+
+def test_speculative_cells_filter_by_glob_and_draft_cells_need_the_draft_model(tmp_path: Path) -> None:
+    from bench import speculative
+
+    run = speculative.Run(["kvserve-*/edit/1", "llama-server-none/*/8"])
+    assert run.wanted("kvserve-auto", "edit", 1) and run.wanted("llama-server-none", "free", 8)
+    assert not run.wanted("kvserve-auto", "edit", 4) and not run.wanted("llama-server-ngram-mod", "free", 8)
+    assert speculative.Run(None).wanted("anything", "free", 4)
+    target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
+    with_draft = {s.name: s for s in speculative.servers(target, draft)}
+    assert with_draft["kvserve-auto"].argv == ("--speculative", "auto", "--draft-model", str(draft))
+    assert with_draft["kvserve-auto"].fallback == ("--speculative", "auto")
+    assert "edit+prediction" not in with_draft.get("llama-server-none", speculative.Server("", (), ())).workloads
+    alone = [s.name for s in speculative.servers(target, None)]
+    assert "kvserve-draft" not in alone and not any("draft-simple" in name for name in alone)
+    assert all("--draft-model" not in s.argv for s in speculative.servers(target, None))
+    everything = speculative.Run(None)
+    assert ("regenerate", 8) in everything.cells(with_draft["kvserve-auto"], speculative.USERS)
+    assert ("regenerate", 8) in everything.cells(with_draft["kvserve-off"], speculative.USERS)
+    assert ("regenerate", 8) not in everything.cells(with_draft["kvserve-ngram"], speculative.USERS)
+    assert ("free", 8) in everything.cells(with_draft["kvserve-ngram"], speculative.USERS)
+    assert everything.cells(with_draft["kvserve-ngram"], (1,)) == [(w, 1) for w in speculative.KVSERVE_WORKLOADS]
+    assert run.cells(with_draft["kvserve-ngram"], speculative.USERS) == [("edit", 1)]

@@ -219,6 +219,13 @@ def test_draft_needs_a_model_and_joins_auto(smollm2) -> None:
         assert info["drafters"][-1] == "draft" and info["draft_model"] == str(smollm2)
         out = by_choice(e, [request(e.model, PROMPTS[2])], positions_hold)
         assert len(next(iter(out.values()))) == MAX_TOKENS
+        assert "draft" in e.scheduler.snapshot.speculation  # the per-drafter metrics read these counts
+
+
+def test_no_draft_context_where_the_target_cannot_cut_rows(smollm2, tiny) -> None:
+    """A recurrent target: speculation is off (as without a draft model), and no draft context is made."""
+    with engine(tiny("mamba"), speculative="draft", draft_model=smollm2, ctx_size=256, parallel=2) as e:
+        assert e.draft is None and not e.scheduler.speculator.enabled
 
 
 QWEN = Path(os.path.expanduser("~/.cache/kvserve/models"))

@@ -89,3 +89,17 @@ def decode_then_prompt(e: Engine, prompt_len: int, monkeypatch: pytest.MonkeyPat
 def test_decodes_and_a_prompt_go_in_one_call(tiny, flash_attn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with engine(tiny("llama"), batch_size=512, parallel=8, flash_attn=flash_attn) as e:
         assert decode_then_prompt(e, 100, monkeypatch) == [STREAMS + 100]
+
+
+def test_the_engine_counts_its_calls_and_their_tokens(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `kvserve_engine_decodes_total` and `kvserve_engine_decode_tokens_total` export."""
+    with engine(tiny("llama"), batch_size=512, prefill_chunk=CHUNK, parallel=8) as e:
+        times = e.scheduler.times
+        before = (times.decodes, times.decode_tokens)
+        sizes = batch_sizes(e, monkeypatch)
+        decoding_streams(e, max_tokens=6, generated=3)
+        e.scheduler.submit(greedy(prompt_of(101), max_tokens=2))
+        while e.scheduler.has_work():
+            e.scheduler.step()
+        assert (times.decodes - before[0], times.decode_tokens - before[1]) == (len(sizes), sum(sizes))
+        assert max(sizes) > STREAMS  # a prompt chunk rode along, so the tokens are not the calls

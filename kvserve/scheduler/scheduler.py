@@ -49,6 +49,8 @@ class StepTimes:
     steps: int = 0
     step_seconds: float = 0.0  # inside step()
     decode_seconds: float = 0.0  # inside llama_decode
+    decodes: int = 0  # llama_decode calls
+    decode_tokens: int = 0  # tokens they carried (decode, draft and prompt tokens)
     loop_seconds: float = 0.0  # the event loop's whole turn per step: hand-off, step, dispatch
     adapter_switches: int = 0  # steps that set another LoRA adapter set on the context than the one before
 
@@ -205,6 +207,8 @@ class Scheduler:
             return False
         finally:
             self.times.decode_seconds += time.perf_counter() - started
+            self.times.decodes += 1
+            self.times.decode_tokens += self._batch.n_tokens
         return True
 
     def _sample(self, slot: Slot, outputs: StepOutputs) -> None:

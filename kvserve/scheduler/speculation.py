@@ -160,7 +160,7 @@ class Speculator:
                  draft_model: "DraftModel | None" = None) -> None:
         self.config = config
         self.enabled = config.mode is not SpecMode.OFF and can_cut
-        if config.mode is SpecMode.DRAFT and draft_model is None:
+        if self.enabled and config.mode is SpecMode.DRAFT and draft_model is None:
             raise ValueError("--speculative draft needs --draft-model")
         self.cost = StepCost()
         self.stats: dict[str, DrafterStats] = {}

@@ -112,6 +112,11 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", t.steps)
         yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", t.step_seconds)
         yield CounterMetricFamily("kvserve_engine_decode_seconds", "Time spent inside llama_decode", t.decode_seconds)
+        yield CounterMetricFamily("kvserve_engine_decodes", "llama_decode calls", t.decodes)
+        yield CounterMetricFamily(
+            "kvserve_engine_decode_tokens", "Tokens those calls carried (decode, draft and prompt tokens)",
+            t.decode_tokens,
+        )
         yield CounterMetricFamily(
             "kvserve_engine_loop_seconds", "Event-loop turns that ran a step, hand-off included", t.loop_seconds
         )

