@@ -89,7 +89,7 @@ def test_tree_drafts_what_followed_this_context_before(smollm2) -> None:
 
 def test_prediction_drafts_and_is_counted(smollm2) -> None:
     """OpenAI's Predicted Outputs: the predicted text drafts, and usage counts accepted and rejected tokens."""
-    with engine(smollm2, speculative="auto", flash_attn="off", **SMALL) as e:
+    with engine(smollm2, speculative="ngram", flash_attn="off", **SMALL) as e:
         plain = request(e.model, PROMPTS[1], max_tokens=24)
         expected = run(e, [plain])[plain.id]
         prediction = expected[:10] + e.model.tokenize(" something else entirely", add_special=False) + expected[14:]
