@@ -4,6 +4,7 @@ only where a token's acceptance pays for its share of the step."""
 from __future__ import annotations
 
 from kvserve.cache.page_tree import PageTree
+from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
 from kvserve.scheduler.speculation import SpecConfig, SpecMode, SpecState, Speculator, StepCost
 
@@ -51,14 +52,50 @@ def test_step_cost_fits_a_line() -> None:
     assert abs(cost.a - 0.02) < 1e-3 and abs(cost.b - 0.003) < 1e-4
 
 
+def test_step_cost_fits_a_read_of_the_weights_per_ubatch_and_a_share_per_token() -> None:
+    cost = StepCost(a=0.1, b=0.1)
+    for _ in range(200):
+        for n, ubatches in ((1, 1), (9, 1), (9, 2), (17, 3), (17, 1)):
+            cost.observe(n, 0.05 * ubatches + 0.003 * n, ubatches)
+    assert abs(cost.a - 0.05) < 1e-3 and abs(cost.b - 0.003) < 1e-4
+    assert abs(cost.seconds(9, 2) - (0.1 + 0.027)) < 1e-3
+
+
+def test_ubatches_follow_llama_cpps_split_of_a_batch_into_equal_runs() -> None:
+    assert ubatch_sizes([(s, 1) for s in range(8)], 512) == [8]
+    assert ubatch_sizes([(s, 3) for s in range(8)], 512) == [24]  # equal drafts on adjacent streams
+    assert ubatch_sizes([(0, 1), (1, 1), (2, 9), (3, 1)], 512) == [4, 8]  # one draft: a ubatch of its own
+    assert ubatch_sizes([(0, 1), (1, 9), (2, 1), (3, 9)], 512) == [4, 8, 8]  # two apart: one each
+    assert ubatch_sizes([(0, 1), (1, 9), (2, 9), (3, 1)], 512) == [4, 16]  # two adjacent and equal: one
+    assert ubatch_sizes([(0, 1), (2, 1)], 512) == [1, 1]  # a gap in the stream ids
+    assert ubatch_sizes([(0, 600), (1, 1)], 512) == [2, 512, 87]
+
+
+def test_auto_drops_a_draft_that_would_make_a_ubatch_of_its_own() -> None:
+    """Where reading the weights dominates a step, one sequence's draft among eight costs a second
+    read of every weight: auto drops it; eight sequences' drafts share the one ubatch and are kept,
+    as is one sequence's draft when it decodes alone."""
+    speculator = _speculator(a=0.1, b=0.001)
+    one_of_eight = speculator.choose(_states(8, repeating=range(3, 4)), n_decoding=8, n_other=0)
+    assert one_of_eight[3][0] == [] and all(draft == [] for draft, _ in one_of_eight)
+    assert all(len(draft) >= 2 for draft, _ in speculator.choose(_states(8), n_decoding=8, n_other=0))
+    assert len(speculator.choose(_states(1), n_decoding=1, n_other=0)[0][0]) >= 2
+
+
 def _speculator(a: float, b: float) -> Speculator:
     speculator = Speculator(SpecConfig(SpecMode.AUTO, draft_max=8), None, can_cut=True)
     speculator.cost = StepCost(a, b)
     return speculator
 
 
-def _states(n: int) -> list[tuple[SpecState, int]]:
-    return [(SpecState(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], 3)), 8) for _ in range(n)]
+def _states(n: int, repeating: range | None = None) -> list[tuple[SpecState, int]]:
+    """`n` decoding sequences (streams 0 .. n-1); those in `repeating` (all by default) repeat their
+    text, so n-grams guess for them."""
+    states = []
+    for seq in range(n):
+        tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3] if repeating is None or seq in repeating else list(range(10, 21))
+        states.append((SpecState(Sequence(tokens, 3, seq=seq)), 8))
+    return states
 
 
 def test_auto_drafts_where_weights_dominate_and_not_where_each_token_costs_its_share() -> None:

@@ -62,7 +62,7 @@ class _CheapTokens(StepCost):
     def __init__(self) -> None:
         super().__init__(a=0.05, b=0.0001)
 
-    def observe(self, n_tokens: int, seconds: float, weight: float | None = None) -> None:
+    def observe(self, n_tokens: int, seconds: float, ubatches: int = 1, weight: float | None = None) -> None:
         pass
 
 

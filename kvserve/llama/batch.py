@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import llama_cpp
 
 
@@ -33,7 +35,41 @@ class Batch:
         self.n_tokens = i + 1
         return i
 
+    def ubatch_sizes(self, n_ubatch: int) -> list[int]:
+        """`ubatch_sizes` of this batch's tokens (one sequence id each, a sequence's tokens together)."""
+        raw, counts = self._raw, []
+        for i in range(self.n_tokens):
+            seq = raw.seq_id[i][0]
+            if counts and counts[-1][0] == seq:
+                counts[-1][1] += 1
+            else:
+                counts.append([seq, 1])
+        return ubatch_sizes([(seq, n) for seq, n in counts], n_ubatch)
+
     def close(self) -> None:
         if self.capacity:
             llama_cpp.llama_batch_free(self._raw)
             self.capacity = 0
+
+
+def ubatch_sizes(counts: Iterable[tuple[int, int]], n_ubatch: int) -> list[int]:
+    """The tokens of each ubatch that `llama_decode` splits a batch into, on a context with a stream
+    per sequence (`kv_unified` off), for a batch of `counts` (sequence id, its tokens), each
+    sequence's tokens together and the sequences in id order; each ubatch reads every weight again.
+
+    llama.cpp's `split_equal` (sequential): a ubatch takes a run of sequences whose ids follow one
+    another, from the first with tokens left, and the same number of tokens from each: as many as
+    the one with fewest left has, at most `n_ubatch` in all (at least one each). So sequences of
+    1 token and one of 1 + k decode in two ubatches, and a gap in the ids starts another."""
+    left = sorted([seq, n] for seq, n in counts if n > 0)
+    sizes = []
+    while left:
+        run = 1
+        while run < len(left) and left[run][0] == left[run - 1][0] + 1:
+            run += 1
+        take = min(min(n for _, n in left[:run]), max(1, n_ubatch // run))
+        sizes.append(take * run)
+        for item in left[:run]:
+            item[1] -= take
+        left = [item for item in left if item[1] > 0]
+    return sizes

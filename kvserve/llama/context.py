@@ -110,6 +110,7 @@ class Context:
         self._mem = llama_cpp.llama_get_memory(self._ptr)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
         self.n_batch = llama_cpp.llama_n_batch(self._ptr)
+        self.n_ubatch = llama_cpp.llama_n_ubatch(self._ptr)
         self.n_seq_max = llama_cpp.llama_n_seq_max(self._ptr)
         self.unified = params.unified
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(self._ptr)  # padded to 256 by llama.cpp

@@ -71,7 +71,7 @@ class Scheduler:
         self.admission = Admission(self.kv, self.ending, config, self.queues)
         tree = getattr(cache, "tree", None)
         self.speculator = Speculator(spec or SpecConfig(), TreeDrafter(tree) if tree is not None else None,
-                                     self.kv.cuts_rows, draft)
+                                     self.kv.cuts_rows, draft, pool.ctx.n_ubatch)
         self.planner = BatchPlanner(self.kv, self.ending, config, self.queues, self.speculator)
         self.sampling = Sampling(pool.ctx, config.max_seq_len)
         self._inbox: deque[Request] = deque()
@@ -198,7 +198,8 @@ class Scheduler:
         started = time.perf_counter()
         try:
             self.pool.ctx.decode(self._batch)
-            self.speculator.cost.observe(self._batch.n_tokens, time.perf_counter() - started)
+            self.speculator.cost.observe(self._batch.n_tokens, time.perf_counter() - started,
+                                         len(self._batch.ubatch_sizes(self.pool.ctx.n_ubatch)))
         except NoKvSlot:
             self.planner.shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry
             return False

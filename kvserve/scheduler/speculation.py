@@ -9,13 +9,16 @@ sampled without speculation (penalties, logit_bias, grammars and seeded RNG draw
 drafter's guess can change how fast tokens come, never which.
 
 Choosing k (mode `auto`; a fixed drafter, `ngram`, `tree` or `draft`, drafts all it guesses up to
-`--draft-max`): a step costs about
-`a + b * tokens` seconds (`StepCost`, fitted on the steps the engine runs). A draft token that the
-target accepts with probability `p` adds `p` expected tokens for `b` seconds; the speculator adds
-draft tokens, most likely first, while each raises the step's expected tokens per second and none
-is less likely than `MIN_GAIN`. Where a
-step's cost grows with every token (a busy CPU) that stops drafts early; where weights dominate (one
-user) it lets long, likely drafts through. Acceptance is measured per drafter and per sequence.
+`--draft-max`): a step costs about `a * ubatches + b * tokens` seconds (`StepCost`, fitted on the
+steps the engine runs). llama.cpp splits a step into ubatches that take the same number of tokens
+from a run of adjacent streams (`ubatch_sizes`), and each ubatch reads every weight again: a draft
+on one of eight decoding sequences costs a whole extra ubatch, equal drafts on all eight none. A
+draft token that the target accepts with probability `p` adds `p` expected tokens for `b` seconds;
+the speculator adds draft tokens, most likely first, while each raises the step's expected tokens
+per second and none is less likely than `MIN_GAIN`, then drops whole drafts while that raises it
+(the ubatches they cost). Where a step's cost grows with every token (a busy CPU) that stops
+drafts early; where weights dominate (one user) it lets long, likely drafts through. Acceptance
+is measured per drafter and per sequence.
 
 A draft model (`--draft-model`, `DraftModel`) drafts, in one batch, for the sequences no other
 drafter has a guess for (mode `draft`: all of them, to `--draft-max`, after a request's prediction).
@@ -40,6 +43,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import Drafter, NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
 
 if TYPE_CHECKING:
@@ -123,30 +127,35 @@ class SpecState:
 
 
 class StepCost:
-    """`seconds = a + b * tokens` for a step, fitted by exponentially weighted least squares over
-    recent steps (prior: a measured start-up probe, or a guess)."""
+    """`seconds = a * ubatches + b * tokens` for a step (`ubatch_sizes`: each ubatch reads every
+    weight again), fitted by exponentially weighted least squares over recent steps (prior: a
+    guess, as if a few steps of one ubatch had been seen)."""
 
     def __init__(self, a: float = 0.02, b: float = 0.002, weight: float = 0.05) -> None:
         self.a, self.b = a, b
         self.weight = weight
-        # weighted sums of n, t, n*n, n*t, as if a few steps at the prior had been seen
+        # weighted sums of u*u, u*n, n*n, u*t, n*t
         self._sums = [0.0] * 5
         for n in (1, 16):
             self.observe(n, a + b * n, weight=0.5)
 
-    def observe(self, n_tokens: int, seconds: float, weight: float | None = None) -> None:
+    def observe(self, n_tokens: int, seconds: float, ubatches: int = 1, weight: float | None = None) -> None:
         w = self.weight if weight is None else weight
+        u, n, t = ubatches, n_tokens, seconds
         s = self._sums
-        for i, value in enumerate((1.0, n_tokens, seconds, n_tokens * n_tokens, n_tokens * seconds)):
+        for i, value in enumerate((u * u, u * n, n * n, u * t, n * t)):
             s[i] = (1 - w) * s[i] + w * value
-        count, mean_n, mean_t = s[0], s[1] / s[0], s[2] / s[0]
-        var = s[3] / count - mean_n * mean_n
-        if var > 1e-9:
-            self.b = max((s[4] / count - mean_n * mean_t) / var, 0.0)
-            self.a = max(mean_t - self.b * mean_n, 1e-6)
+        uu, un, nn, ut, nt = s
+        det = uu * nn - un * un
+        if det > 1e-12 * uu * nn:
+            self.a = (ut * nn - nt * un) / det
+            self.b = (uu * nt - un * ut) / det
+        if self.b < 0 or self.a <= 0:  # a fit outside the model's range: keep the per-ubatch part
+            self.b = max(self.b, 0.0) if self.a > 0 else max(nt / nn, 0.0)
+            self.a = max((ut - self.b * un) / uu, 1e-6)
 
-    def seconds(self, n_tokens: int) -> float:
-        return self.a + self.b * n_tokens
+    def seconds(self, n_tokens: int, ubatches: int = 1) -> float:
+        return self.a * ubatches + self.b * n_tokens
 
 
 @dataclass(frozen=True)
@@ -157,8 +166,9 @@ class SpecConfig:
 
 class Speculator:
     def __init__(self, config: SpecConfig, tree_drafter: TreeDrafter | None, can_cut: bool,
-                 draft_model: "DraftModel | None" = None) -> None:
+                 draft_model: "DraftModel | None" = None, n_ubatch: int = 512) -> None:
         self.config = config
+        self.n_ubatch = n_ubatch  # the target context's: how a step splits (`ubatch_sizes`)
         self.enabled = config.mode is not SpecMode.OFF and can_cut
         if self.enabled and config.mode is SpecMode.DRAFT and draft_model is None:
             raise ValueError("--speculative draft needs --draft-model")
@@ -197,38 +207,68 @@ class Speculator:
 
     def choose(self, candidates: list[tuple[SpecState, int]], n_decoding: int, n_other: int) -> list[tuple[list[int], str]]:
         """Drafts for `candidates` (a state and the most draft tokens its stream, limits and the
-        budget allow), for a step that decodes `n_decoding` sequences and carries `n_other` other
+        budget allow; one per decoding sequence), for a step that also carries `n_other` prompt
         tokens: each draft token is kept while it raises expected tokens per second of step (the draft
-        model's drafts whole: their length was chosen pricing their decodes and their verification)."""
+        model's drafts whole: their length was chosen pricing their decodes and their verification),
+        then whole drafts are dropped while that raises it (a draft that makes a ubatch of its own
+        pays for a read of every weight)."""
         proposals: list[tuple[list[int], str, float]] = []
         for state, limit in candidates:
             proposals.append(self._propose(state, min(limit, self.config.draft_max)))
+        seqs = [state.sequence.seq for state, _ in candidates]
         if self.draft_model is not None:
-            self._draft_with_model(candidates, proposals, n_decoding, n_other)
+            self._draft_with_model(candidates, proposals, seqs, n_other)
         if self.config.mode is not SpecMode.AUTO:
             return [(draft, name) for draft, name, _ in proposals]  # a fixed drafter drafts all it can
         modelled = [name == "draft" for _, name, _ in proposals]
         keep = [len(draft) if whole else 0 for (draft, _, _), whole in zip(proposals, modelled)]
+        rates = [rate for _, _, rate in proposals]
         tokens = n_decoding + n_other + sum(keep)
-        expected = n_decoding + sum(sum(rate ** j for j in range(1, n + 1)) for (_, _, rate), n in zip(proposals, keep))
+        expected = _expected(rates, keep, n_decoding)
+        seconds = self._seconds(seqs, keep, n_other)
         heap = [(-rate, i) for i, (draft, _, rate) in enumerate(proposals) if draft and not modelled[i]]
         heapq.heapify(heap)
         while heap:
             neg_gain, i = heapq.heappop(heap)
             gain = -neg_gain
-            if gain < MIN_GAIN or gain * self.cost.seconds(tokens) <= expected * self.cost.b:
+            if gain < MIN_GAIN or gain * seconds <= expected * self.cost.b:
                 break  # (expected + gain) / (seconds + b) would not beat expected / seconds
             keep[i] += 1
-            tokens += 1
+            seconds += self.cost.b
             expected += gain
             draft, _, rate = proposals[i]
             if keep[i] < len(draft):
                 heapq.heappush(heap, (-(gain * rate), i))
+        keep = self._drop_costly_drafts(seqs, rates, keep, n_other)
         return [(draft[:n], name) for (draft, name, _), n in zip(proposals, keep)]
 
+    def _seconds(self, seqs: list[int], drafts: list[int], n_other: int) -> float:
+        """What a step costs that decodes `seqs`, each with its draft, and `n_other` prompt tokens
+        (in ubatches of their own)."""
+        ubatches = len(ubatch_sizes([(seq, 1 + k) for seq, k in zip(seqs, drafts)], self.n_ubatch))
+        return self.cost.seconds(len(seqs) + sum(drafts) + n_other, ubatches + -(-n_other // self.n_ubatch))
+
+    def _drop_costly_drafts(self, seqs: list[int], rates: list[float], keep: list[int], n_other: int) -> list[int]:
+        """`keep`, less the whole drafts whose dropping most raises expected tokens per second of
+        step, one at a time, while one does."""
+        def goodput(drafts: list[int]) -> float:
+            return _expected(rates, drafts, len(seqs)) / self._seconds(seqs, drafts, n_other)
+
+        best = goodput(keep)
+        while True:
+            options = [(goodput(trial), trial) for i in range(len(keep)) if keep[i]
+                       for trial in [keep[:i] + [0] + keep[i + 1:]]]
+            if not options:
+                return keep
+            rate, trial = max(options, key=lambda option: option[0])
+            if rate <= best:
+                return keep
+            best, keep = rate, trial
+
     def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[tuple[list[int], str, float]],
-                          n_decoding: int, n_other: int) -> None:
-        """The draft model's guesses, in one batch, for the candidates without a proposal."""
+                          seqs: list[int], n_other: int) -> None:
+        """The draft model's guesses, in one batch, for the candidates without a proposal (decoding
+        `seqs`, in a step that carries `n_other` prompt tokens too)."""
         model = self.draft_model
         assert model is not None
         wanting = [i for i, (state, limit) in enumerate(candidates)
@@ -236,8 +276,9 @@ class Speculator:
         if not wanting:
             return
         rates = [candidates[i][0].rate(model.name, self.global_rate(model.name)) for i in wanting]
+        n_decoding = len(seqs)
         k = self.config.draft_max if self.config.mode is SpecMode.DRAFT else self._model_length(
-            sum(rates) / len(rates), len(wanting), n_decoding + n_other, n_decoding)
+            sum(rates) / len(rates), [i in wanting for i in range(n_decoding)], seqs, n_other)
         self._step = _ModelStep(k > 0, n_decoding, n_other == 0, n_decoding)
         if k <= 0:
             return
@@ -246,26 +287,26 @@ class Speculator:
         for i, draft, rate in zip(wanting, model.draft(wants), rates):
             proposals[i] = (draft, model.name, rate)
 
-    def _model_length(self, p: float, m: int, tokens: int, expected: float) -> int:
-        """How many tokens the draft model drafts for `m` sequences (acceptance `p` each) in a step of
-        `tokens` tokens that is expected to emit `expected`: the length that most raises expected
-        tokens per second of draft and target step, 0 where none raises it or where the steps measured
-        say the model loses (then a probe, rarely)."""
+    def _model_length(self, p: float, wanting: list[bool], seqs: list[int], n_other: int) -> int:
+        """How many tokens the draft model drafts for the `wanting` ones of the decoding `seqs`
+        (acceptance `p` each) in a step that also carries `n_other` prompt tokens: the length that
+        most raises expected tokens per second of draft and target step, 0 where none raises it or
+        where the steps measured say the model loses (then a probe, rarely)."""
         model = self.draft_model
         assert model is not None
+        m, expected = sum(wanting), len(seqs)
         with_model, without = (self.goodput.get((arm, _bucket(int(expected))), Goodput()) for arm in (True, False))
         if with_model.samples >= GOODPUT_SAMPLES > without.samples:
             return 0  # measure the other arm
         measured_loss = min(with_model.samples, without.samples) >= GOODPUT_SAMPLES and with_model.rate < without.rate
-        base = self.cost.seconds(tokens)
-        best_k, best = 0, expected / base
+        best_k, best = 0, expected / self._seconds(seqs, [0] * len(seqs), n_other)
         gain, q = 0.0, 1.0
         for k in range(1, self.config.draft_max + 1):
             q *= p
             if q < MIN_GAIN:
                 break
             gain += m * q
-            seconds = base + k * m * self.cost.b + k * model.cost.seconds(m)
+            seconds = self._seconds(seqs, [k * w for w in wanting], n_other) + k * model.cost.seconds(m)
             if (expected + gain) / seconds > best:
                 best_k, best = k, (expected + gain) / seconds
         if best_k and not measured_loss:
@@ -309,6 +350,12 @@ class Speculator:
         if drafter == "prediction":
             state.prediction_accepted += accepted
             state.prediction_rejected += drafted - accepted
+
+
+def _expected(rates: list[float], drafts: list[int], n_decoding: int) -> float:
+    """Tokens a step is expected to emit: one per decoding sequence, and each draft token with the
+    chance that it and all before it are accepted."""
+    return n_decoding + sum(sum(rate ** j for j in range(1, k + 1)) for rate, k in zip(rates, drafts))
 
 
 def _bucket(n_decoding: int) -> int:
