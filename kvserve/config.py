@@ -120,12 +120,12 @@ class Settings(BaseSettings):
     ui: bool = Field(True, description="serve the playground at / and the live cache view at /ui/cache (--no-ui: neither)")
     speculative: Literal["off", "auto", "ngram", "tree", "draft"] = Field(
         "off", description="speculative decoding: auto picks drafters (a request's prediction, the prefix tree, "
-        "n-grams of its own text, then --draft-model where given) and draft lengths from measured acceptance and "
-        "step cost; ngram, tree and draft (the --draft-model) draft from one source always"
+        "n-grams of its own text) and draft lengths from measured acceptance and step cost; ngram, tree and draft "
+        "(the --draft-model) draft from one source always"
     )
     draft_model: Path | None = Field(
-        None, description="a GGUF draft model with the served model's vocabulary: drafts for --speculative draft, "
-        "and for auto where its measured acceptance pays for its decodes"
+        None, description="a GGUF draft model with the served model's vocabulary, for --speculative draft (auto "
+        "does not use one: on CPUs measured so far its decodes cost more than its accepted guesses save)"
     )
     draft_max: int = Field(8, ge=1, le=64, description="most draft tokens per sequence and step")
     metrics_compat: Literal["vllm"] | None = Field(

@@ -109,12 +109,15 @@ class Engine:
 
 
 def uses_draft_model(settings: Settings) -> bool:
-    return settings.draft_model is not None and settings.speculative in ("draft", "auto")
+    return settings.draft_model is not None and settings.speculative == "draft"
 
 
 def load_draft_model(settings: Settings, pool: KvPool, attention: FlashAttnChoice) -> DraftModel | None:
     """The draft model's context beside the target's (a stream per target stream), where
-    `--speculative draft` or `auto` uses it and the target's rows can be cut back (not a recurrent state)."""
+    `--speculative draft` uses it and the target's rows can be cut back (not a recurrent state)."""
+    if settings.draft_model is not None and not uses_draft_model(settings):
+        _log.warning("--draft-model %s is not loaded: only --speculative draft uses it, not %s",
+                     settings.draft_model, settings.speculative)
     if not uses_draft_model(settings) or pool.ctx.model.info.carries_state:
         return None
     draft = DraftModel(settings.draft_model, pool.ctx, settings.threads, "on" if attention.enabled else "off")

@@ -125,11 +125,9 @@ class Scheduler:
         try:
             self._take_inbox(outputs)
             self.admission.admit(outputs)
-            planned = time.perf_counter()
             slots = self.planner.plan(outputs)
             if slots:
                 self._run(slots, outputs)
-            self.speculator.end_step(time.perf_counter() - planned)
         except Exception:  # a bug must not hang every client: fail what is in flight, keep serving
             _log.exception("engine step failed; failing the requests in flight")
             self.ending.fail({*self.running, *self.waiting}, "internal engine error", outputs)

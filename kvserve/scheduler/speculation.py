@@ -20,14 +20,10 @@ per second and none is less likely than `MIN_GAIN`, then drops whole drafts whil
 drafts early; where weights dominate (one user) it lets long, likely drafts through. Acceptance
 is measured per drafter and per sequence.
 
-A draft model (`--draft-model`, `DraftModel`) drafts, in one batch, for the sequences no other
-drafter has a guess for (mode `draft`: all of them, to `--draft-max`, after a request's prediction).
-Its guesses are not free: each costs a decode of the draft model, `a_d + b_d * sequences` seconds
-(fitted on the draft decodes run). Under `auto` it drafts `k` tokens for the `m` sequences that
-want one only where `(E + m * (p + p^2 + .. + p^k)) / (T + k * m * b + k * (a_d + b_d * m))`, the
-expected tokens per second of draft and target step, beats `E / T` without it (`p`: its measured
-acceptance); the `k` tokens it drafted are then verified whole. Where it loses it is not asked again for `PROBE_AFTER` steps, twice as many after
-each probe that loses too, so that a measurement gone stale is re-probed, rarely.
+A draft model (`--draft-model`, `DraftModel`, mode `draft` only) drafts, in one batch, every
+sequence that has no `prediction` to draft from, to `--draft-max`. `auto` does not ask it: on 2 CPU
+cores a 0.5B drafting for a 1.5B lost wherever it was priced in (its guess decodes and the catch-up
+of every prompt; `bench/results/speculative.md`, `kvserve-auto` against `kvserve-auto-nodraft`).
 
 Invariants:
 - a draft never runs past the sequence's stream, its `max_tokens` or the longest sequence allowed;
@@ -65,46 +61,6 @@ PRIOR_ACCEPTANCE = {"prediction": 0.8, "tree": 0.7, "ngram": 0.5, "draft": 0.6}
 MIN_GAIN = 0.25
 # Weight of the newest verification in a sequence's acceptance average.
 ACCEPTANCE_EMA = 0.3
-# Steps a losing draft model waits before `auto` probes it again (doubled after each losing probe,
-# up to `PROBE_AFTER_MAX`), and the length of a probe's drafts.
-PROBE_AFTER = 64
-PROBE_AFTER_MAX = 4096
-PROBE_LENGTH = 2
-# Decode-only steps measured in each arm (the draft model drafting, and not) before they are compared.
-GOODPUT_SAMPLES = 4
-GOODPUT_EMA = 0.2
-
-
-@dataclass
-class Goodput:
-    """Tokens emitted per second of step, as exponentially weighted means of both."""
-
-    samples: int = 0
-    tokens: float = 0.0
-    seconds: float = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        w = 1.0 if not self.samples else GOODPUT_EMA
-        self.tokens = (1 - w) * self.tokens + w * tokens
-        self.seconds = (1 - w) * self.seconds + w * seconds
-        self.samples += 1
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class _ModelStep:
-    """The step under way where the draft model was asked: whether it drafted, for how many decoding
-    sequences, whether the step carries other tokens (then it is not measured), tokens emitted."""
-
-    drafted: bool
-    n_decoding: int
-    decode_only: bool
-    tokens: int
-
-
 @dataclass
 class DrafterStats:
     drafted: int = 0
@@ -182,13 +138,8 @@ class Speculator:
             SpecMode.DRAFT: [prediction],
         }
         self.drafters = drafters.get(config.mode, []) if self.enabled else []
-        # the draft model, asked after the drafters for the sequences none of them has a guess for
-        joins = self.enabled and config.mode in (SpecMode.DRAFT, SpecMode.AUTO)
-        self.draft_model = draft_model if joins else None
-        self._probe_after = PROBE_AFTER
-        self._skipped = 0  # steps since auto last let the draft model draft
-        self.goodput: dict[tuple[bool, int], Goodput] = {}  # by (model drafted, bucket of decoding sequences)
-        self._step: _ModelStep | None = None
+        # the draft model, asked after a prediction for the sequences without one
+        self.draft_model = draft_model if self.enabled and config.mode is SpecMode.DRAFT else None
         for drafter in [*self.drafters, *([draft_model] if self.draft_model else [])]:
             self.stats[drafter.name] = DrafterStats()
 
@@ -208,8 +159,7 @@ class Speculator:
     def choose(self, candidates: list[tuple[SpecState, int]], n_decoding: int, n_other: int) -> list[tuple[list[int], str]]:
         """Drafts for `candidates` (a state and the most draft tokens its stream, limits and the
         budget allow; one per decoding sequence), for a step that also carries `n_other` prompt
-        tokens: each draft token is kept while it raises expected tokens per second of step (the draft
-        model's drafts whole: their length was chosen pricing their decodes and their verification),
+        tokens (`auto`): each draft token is kept while it raises expected tokens per second of step,
         then whole drafts are dropped while that raises it (a draft that makes a ubatch of its own
         pays for a read of every weight)."""
         proposals: list[tuple[list[int], str, float]] = []
@@ -217,16 +167,14 @@ class Speculator:
             proposals.append(self._propose(state, min(limit, self.config.draft_max)))
         seqs = [state.sequence.seq for state, _ in candidates]
         if self.draft_model is not None:
-            self._draft_with_model(candidates, proposals, seqs, n_other)
+            self._draft_with_model(candidates, proposals)
         if self.config.mode is not SpecMode.AUTO:
             return [(draft, name) for draft, name, _ in proposals]  # a fixed drafter drafts all it can
-        modelled = [name == "draft" for _, name, _ in proposals]
-        keep = [len(draft) if whole else 0 for (draft, _, _), whole in zip(proposals, modelled)]
+        keep = [0] * len(proposals)
         rates = [rate for _, _, rate in proposals]
-        tokens = n_decoding + n_other + sum(keep)
-        expected = _expected(rates, keep, n_decoding)
+        expected = float(n_decoding)
         seconds = self._seconds(seqs, keep, n_other)
-        heap = [(-rate, i) for i, (draft, _, rate) in enumerate(proposals) if draft and not modelled[i]]
+        heap = [(-rate, i) for i, (draft, _, rate) in enumerate(proposals) if draft]
         heapq.heapify(heap)
         while heap:
             neg_gain, i = heapq.heappop(heap)
@@ -266,9 +214,8 @@ class Speculator:
             best, keep = rate, trial
 
     def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[tuple[list[int], str, float]],
-                          seqs: list[int], n_other: int) -> None:
-        """The draft model's guesses, in one batch, for the candidates without a proposal (decoding
-        `seqs`, in a step that carries `n_other` prompt tokens too)."""
+                          ) -> None:
+        """The draft model's guesses, in one batch, for the candidates without a proposal."""
         model = self.draft_model
         assert model is not None
         wanting = [i for i, (state, limit) in enumerate(candidates)
@@ -276,47 +223,10 @@ class Speculator:
         if not wanting:
             return
         rates = [candidates[i][0].rate(model.name, self.global_rate(model.name)) for i in wanting]
-        n_decoding = len(seqs)
-        k = self.config.draft_max if self.config.mode is SpecMode.DRAFT else self._model_length(
-            sum(rates) / len(rates), [i in wanting for i in range(n_decoding)], seqs, n_other)
-        self._step = _ModelStep(k > 0, n_decoding, n_other == 0, n_decoding)
-        if k <= 0:
-            return
         wants = [(candidates[i][0].sequence.seq, candidates[i][0].sequence.tokens,
-                  min(k, candidates[i][1], self.config.draft_max)) for i in wanting]
+                  min(candidates[i][1], self.config.draft_max)) for i in wanting]
         for i, draft, rate in zip(wanting, model.draft(wants), rates):
             proposals[i] = (draft, model.name, rate)
-
-    def _model_length(self, p: float, wanting: list[bool], seqs: list[int], n_other: int) -> int:
-        """How many tokens the draft model drafts for the `wanting` ones of the decoding `seqs`
-        (acceptance `p` each) in a step that also carries `n_other` prompt tokens: the length that
-        most raises expected tokens per second of draft and target step, 0 where none raises it or
-        where the steps measured say the model loses (then a probe, rarely)."""
-        model = self.draft_model
-        assert model is not None
-        m, expected = sum(wanting), len(seqs)
-        with_model, without = (self.goodput.get((arm, _bucket(int(expected))), Goodput()) for arm in (True, False))
-        if with_model.samples >= GOODPUT_SAMPLES > without.samples:
-            return 0  # measure the other arm
-        measured_loss = min(with_model.samples, without.samples) >= GOODPUT_SAMPLES and with_model.rate < without.rate
-        best_k, best = 0, expected / self._seconds(seqs, [0] * len(seqs), n_other)
-        gain, q = 0.0, 1.0
-        for k in range(1, self.config.draft_max + 1):
-            q *= p
-            if q < MIN_GAIN:
-                break
-            gain += m * q
-            seconds = self._seconds(seqs, [k * w for w in wanting], n_other) + k * model.cost.seconds(m)
-            if (expected + gain) / seconds > best:
-                best_k, best = k, (expected + gain) / seconds
-        if best_k and not measured_loss:
-            self._skipped, self._probe_after = 0, PROBE_AFTER
-            return best_k
-        self._skipped += 1
-        if self._skipped < self._probe_after:
-            return 0
-        self._skipped, self._probe_after = 0, min(2 * self._probe_after, PROBE_AFTER_MAX)
-        return PROBE_LENGTH
 
     def _propose(self, state: SpecState, k: int) -> tuple[list[int], str, float]:
         """The first drafter with a guess, in order (a request's prediction first)."""
@@ -328,17 +238,8 @@ class Speculator:
                 return draft, drafter.name, state.rate(drafter.name, self.global_rate(drafter.name))
         return [], "", 0.0
 
-    def end_step(self, seconds: float) -> None:
-        """The step ran for `seconds` (draft decodes, target decode, sampling): measure its goodput
-        where the draft model was asked and the step only decoded."""
-        step, self._step = self._step, None
-        if step is not None and step.decode_only:
-            self.goodput.setdefault((step.drafted, _bucket(step.n_decoding)), Goodput()).observe(step.tokens, seconds)
-
     def record(self, state: SpecState, drafter: str, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens from `drafter` kept `accepted` of them."""
-        if self._step is not None:
-            self._step.tokens += accepted
         stats = self.stats[drafter]
         stats.drafts += 1
         stats.drafted += drafted
@@ -356,8 +257,3 @@ def _expected(rates: list[float], drafts: list[int], n_decoding: int) -> float:
     """Tokens a step is expected to emit: one per decoding sequence, and each draft token with the
     chance that it and all before it are accepted."""
     return n_decoding + sum(sum(rate ** j for j in range(1, k + 1)) for rate, k in zip(rates, drafts))
-
-
-def _bucket(n_decoding: int) -> int:
-    """1, 2, 3-4, 5-8, ..: steps of about as many decoding sequences share a goodput measurement."""
-    return (n_decoding - 1).bit_length()
