@@ -8,7 +8,6 @@ contexts say so."""
 from __future__ import annotations
 
 import logging
-
 import os
 from dataclasses import replace
 from pathlib import Path

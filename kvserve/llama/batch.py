@@ -1,4 +1,5 @@
-"""A reusable `llama_batch`: one sequence id per token, filled afresh every engine step."""
+"""A reusable `llama_batch` (one sequence id per token, filled afresh every engine step), and how
+`llama_decode` splits a batch into ubatches."""
 
 from __future__ import annotations
 
@@ -34,17 +35,6 @@ class Batch:
         raw.logits[i] = wants_logits
         self.n_tokens = i + 1
         return i
-
-    def ubatch_sizes(self, n_ubatch: int) -> list[int]:
-        """`ubatch_sizes` of this batch's tokens (one sequence id each, a sequence's tokens together)."""
-        raw, counts = self._raw, []
-        for i in range(self.n_tokens):
-            seq = raw.seq_id[i][0]
-            if counts and counts[-1][0] == seq:
-                counts[-1][1] += 1
-            else:
-                counts.append([seq, 1])
-        return ubatch_sizes([(seq, n) for seq, n in counts], n_ubatch)
 
     def close(self) -> None:
         if self.capacity:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvserve.cache.kv_pool import KvPool
 from kvserve.cache.prefix_cache import PrefixCache
-from kvserve.llama.batch import Batch
+from kvserve.llama.batch import Batch, ubatch_sizes
 from kvserve.llama.context import DecodeError, NoKvSlot
 from kvserve.llama.lora import LoraAdapters
 from kvserve.llama.sampler import live_samplers
@@ -196,8 +196,8 @@ class Scheduler:
         started = time.perf_counter()
         try:
             self.pool.ctx.decode(self._batch)
-            self.speculator.cost.observe(self._batch.n_tokens, time.perf_counter() - started,
-                                         len(self._batch.ubatch_sizes(self.pool.ctx.n_ubatch)))
+            ubatches = ubatch_sizes([(s.choice.session.seq, s.n_decoded) for s in slots], self.pool.ctx.n_ubatch)
+            self.speculator.cost.observe(self._batch.n_tokens, time.perf_counter() - started, len(ubatches))
         except NoKvSlot:
             self.planner.shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry
             return False

@@ -213,20 +213,19 @@ class Speculator:
                 return keep
             best, keep = rate, trial
 
-    def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[tuple[list[int], str, float]],
-                          ) -> None:
-        """The draft model's guesses, in one batch, for the candidates without a proposal."""
+    def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[tuple[list[int], str, float]]) -> None:
+        """The draft model's guesses, in one batch, for the candidates without a proposal (mode
+        `draft`, which drafts all it guesses: no acceptance rate is weighed)."""
         model = self.draft_model
         assert model is not None
         wanting = [i for i, (state, limit) in enumerate(candidates)
                    if not proposals[i][0] and min(limit, self.config.draft_max) > 0]
         if not wanting:
             return
-        rates = [candidates[i][0].rate(model.name, self.global_rate(model.name)) for i in wanting]
         wants = [(candidates[i][0].sequence.seq, candidates[i][0].sequence.tokens,
                   min(candidates[i][1], self.config.draft_max)) for i in wanting]
-        for i, draft, rate in zip(wanting, model.draft(wants), rates):
-            proposals[i] = (draft, model.name, rate)
+        for i, draft in zip(wanting, model.draft(wants)):
+            proposals[i] = (draft, model.name, 0.0)
 
     def _propose(self, state: SpecState, k: int) -> tuple[list[int], str, float]:
         """The first drafter with a guess, in order (a request's prediction first)."""
