@@ -209,7 +209,7 @@ def serve(run: Run, server: Server, model: Path, users_levels: tuple[int, ...]) 
         for workload, users in cells:
             run.add({"server": server.name, "workload": workload, "users": users,
                      **({"note": why} if why else {}), **asyncio.run(measure(process.url, workload, users))})
-        if server.kvserve:  # what kvserve measured a step to cost: seconds = a + b * tokens
+        if server.kvserve:  # what kvserve measured each ubatch size to cost (seconds by tokens)
             info = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
             run.add({"server": server.name, "workload": "server_info", "users": 0, "decode_tps": 0.0,
                      "speculative": info})

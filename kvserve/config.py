@@ -127,7 +127,7 @@ class Settings(BaseSettings):
         None, description="a GGUF draft model with the served model's vocabulary, for --speculative draft (auto "
         "does not use one: on CPUs measured so far its decodes cost more than its accepted guesses save)"
     )
-    draft_max: int = Field(8, ge=1, le=64, description="most draft tokens per sequence and step")
+    draft_max: int = Field(16, ge=1, le=64, description="most draft tokens per sequence and step")
     metrics_compat: Literal["vllm"] | None = Field(
         None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
     )

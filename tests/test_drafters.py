@@ -6,7 +6,8 @@ from __future__ import annotations
 from kvserve.cache.page_tree import PageTree
 from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
-from kvserve.scheduler.speculation import SpecConfig, SpecMode, SpecState, Speculator, StepCost
+from kvserve.scheduler.speculation import SpecConfig, SpecMode, SpecState, Speculator
+from kvserve.scheduler.ubatch_cost import UbatchCost
 
 
 def test_ngram_proposes_what_followed_the_latest_earlier_occurrence() -> None:
@@ -44,21 +45,22 @@ def test_tree_proposes_the_stored_continuation_of_this_context() -> None:
     assert drafter.propose(Sequence([1, 2, 3, 4, 5], 3, namespace="tenant:x"), 3) == []  # another namespace's text
 
 
-def test_step_cost_fits_a_line() -> None:
-    cost = StepCost(a=0.1, b=0.1)
-    for _ in range(200):
-        for n in (1, 9, 17):
-            cost.observe(n, 0.02 + 0.003 * n)
-    assert abs(cost.a - 0.02) < 1e-3 and abs(cost.b - 0.003) < 1e-4
+def _linear(a: float, b: float) -> UbatchCost:
+    """A cost of `a` per ubatch (a read of the weights) and `b` per token."""
+    return UbatchCost({n: a + b * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 512)})
 
 
-def test_step_cost_fits_a_read_of_the_weights_per_ubatch_and_a_share_per_token() -> None:
-    cost = StepCost(a=0.1, b=0.1)
-    for _ in range(200):
-        for n, ubatches in ((1, 1), (9, 1), (9, 2), (17, 3), (17, 1)):
-            cost.observe(n, 0.05 * ubatches + 0.003 * n, ubatches)
-    assert abs(cost.a - 0.05) < 1e-3 and abs(cost.b - 0.003) < 1e-4
-    assert abs(cost.seconds(9, 2) - (0.1 + 0.027)) < 1e-3
+def test_ubatch_cost_interpolates_extends_and_learns_each_size() -> None:
+    cost = UbatchCost({1: 0.06, 4: 0.12, 8: 0.24, 16: 0.30})
+    assert abs(cost.ubatch(2) - 0.08) < 1e-9 and abs(cost.ubatch(12) - 0.27) < 1e-9
+    assert abs(cost.ubatch(20) - (0.30 + 4 * 0.06 / 8)) < 1e-9  # the last two sizes' slope
+    assert abs(cost.step([4, 16]) - 0.42) < 1e-9
+    for _ in range(100):
+        cost.observe([3], 0.12)  # on this CPU 3 tokens cost what 4 do: a size first seen is kept
+        cost.observe([4, 16], 0.84)  # a slower box: both sizes twice as dear
+    assert abs(cost.ubatch(3) - 0.12) < 1e-3
+    assert abs(cost.ubatch(4) - 0.24) < 1e-3 and abs(cost.ubatch(16) - 0.60) < 1e-3
+    assert abs(cost.ubatch(1) - 0.06) < 1e-9  # a size never seen again keeps its timing
 
 
 def test_ubatches_follow_llama_cpps_split_of_a_batch_into_equal_runs() -> None:
@@ -84,7 +86,7 @@ def test_auto_drops_a_draft_that_would_make_a_ubatch_of_its_own() -> None:
 
 def _speculator(a: float, b: float) -> Speculator:
     speculator = Speculator(SpecConfig(SpecMode.AUTO, draft_max=8), None, can_cut=True)
-    speculator.cost = StepCost(a, b)
+    speculator.cost = _linear(a, b)
     return speculator
 
 
@@ -107,7 +109,7 @@ def test_auto_drafts_where_weights_dominate_and_not_where_each_token_costs_its_s
 
 def test_a_fixed_drafter_drafts_all_it_guesses() -> None:
     speculator = Speculator(SpecConfig(SpecMode.NGRAM, draft_max=3), None, can_cut=True)
-    speculator.cost = StepCost(a=0.0005, b=0.01)
+    speculator.cost = _linear(a=0.0005, b=0.01)
     assert speculator.choose(_states(1), n_decoding=1, n_other=0)[0] == ([4, 5, 6], "ngram")
 
 
@@ -131,7 +133,7 @@ class _FakeDraftModel:
     name = "draft"
 
     def __init__(self, a: float, b: float) -> None:
-        self.cost = StepCost(a, b)
+        self.cost = _linear(a, b)
         self.calls: list[list[tuple[int, int]]] = []
 
     def draft(self, wants: list[tuple[int, list[int], int]]) -> list[list[int]]:
@@ -144,7 +146,7 @@ class _FakeDraftModel:
 
 def _with_model(model: _FakeDraftModel, mode: SpecMode = SpecMode.AUTO) -> Speculator:
     speculator = Speculator(SpecConfig(mode, draft_max=4), None, can_cut=True, draft_model=model)  # type: ignore[arg-type]
-    speculator.cost = StepCost(a=0.04, b=0.01)  # a 1.5B target on a CPU: every token costs its share
+    speculator.cost = _linear(a=0.04, b=0.01)  # a 1.5B target on a CPU: every token costs its share
     return speculator
 
 
@@ -163,6 +165,50 @@ def test_auto_does_not_ask_a_draft_model() -> None:
     every workload, so only `draft` asks it; auto's own drafters still guess."""
     model = _FakeDraftModel(a=0.001, b=0.0001)
     speculator = _with_model(model)
-    speculator.cost = StepCost(a=0.05, b=0.0005)
+    speculator.cost = _linear(a=0.05, b=0.0005)
     assert speculator.draft_model is None and "draft" not in speculator.describe()["drafters"]
     assert speculator.choose(_unguessable(2), n_decoding=2, n_other=0) == [([], "")] * 2 and model.calls == []
+
+
+# a 1.5B's ubatches on 2 cores (ms by tokens): a tile of 4 costs what 3 do, 16 less than 14
+_TILED = {1: 64, 2: 100, 3: 124, 4: 131, 5: 162, 8: 260, 12: 318, 14: 347, 15: 330, 16: 313, 17: 399, 32: 580}
+
+
+def _tiled(rate: float, draft_max: int = 16) -> list[int]:
+    speculator = Speculator(SpecConfig(SpecMode.AUTO, draft_max=draft_max), None, can_cut=True)
+    speculator.cost = UbatchCost({n: ms / 1000 for n, ms in _TILED.items()})
+    state = SpecState(Sequence(list(range(40)), 40, prediction=list(range(40, 80))))
+    state.acceptance["prediction"] = rate
+    return [len(draft) for draft, _ in speculator.choose([(state, 30)], n_decoding=1, n_other=0)]
+
+
+def test_auto_drafts_the_length_whose_ubatch_pays_best() -> None:
+    """One sequence on the tiled table: a likely draft fills a ubatch of 16, a fair one stops at a
+    tile of 4, and one that is as likely wrong as right is not worth a second token's 56% more."""
+    assert _tiled(0.98) == [15]
+    assert _tiled(0.98, draft_max=4) == [4]
+    assert _tiled(0.9) == [3] and _tiled(0.8) == [3]
+    assert _tiled(0.5) == [0]
+
+
+def test_a_proposal_not_drafted_is_watched_and_teaches_acceptance_for_free() -> None:
+    """Prose: n-grams guess, but auto does not draft at even odds on a step that costs per token;
+    the output then shows whether the guess was right, and no step paid for it."""
+    speculator = _speculator(a=0.0005, b=0.01)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    state = SpecState(Sequence(tokens, 3, seq=0))
+    assert speculator.choose([(state, 8)], n_decoding=1, n_other=0)[0][0] == []
+    assert state.watch == ("ngram", [4, 5, 6, 7, 8, 1, 2, 3], 11)
+    tokens += [4, 5]
+    speculator.choose([(state, 8)], n_decoding=1, n_other=0)
+    assert state.watch is not None and "ngram" not in state.acceptance  # right so far: undecided
+    tokens += [9]
+    speculator.choose([(state, 8)], n_decoding=1, n_other=0)
+    stats = speculator.stats["ngram"]
+    assert (stats.right, stats.trials, stats.drafted, stats.accepted) == (2, 3, 0, 0)
+    assert abs(state.acceptance["ngram"] - (0.7 * speculator.global_rate("ngram") + 0.3 * 2 / 3)) < 0.05
+    for _ in range(10):  # the guesses keep coming true: the rate climbs until drafting pays
+        state.watch = ("ngram", [1, 2], len(tokens))
+        tokens += [1, 2]
+        speculator._settle_watch(state)
+    assert state.acceptance["ngram"] > 0.95

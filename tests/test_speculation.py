@@ -26,7 +26,8 @@ from kvserve.scheduler.request import FinishReason, Request
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.sampling import Sampling
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.speculation import SpecConfig, SpecMode, StepCost
+from kvserve.scheduler.speculation import SpecConfig, SpecMode
+from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES, UbatchCost
 from kvserve.testing.tiny_models import TINY_SWA
 
 # Text that repeats (prompt lookup drafts well) and text that does not (drafts get rejected).
@@ -58,11 +59,13 @@ def served(smollm2, mode: str, flash_attn: str, make, rounds: int = 1, **overrid
     return [list(r.values()) for r in results], stats
 
 
-class _CheapTokens(StepCost):
-    def __init__(self) -> None:
-        super().__init__(a=0.05, b=0.0001)
+class _CheapTokens(UbatchCost):
+    """A step that costs about the same whatever its tokens and ubatches."""
 
-    def observe(self, n_tokens: int, seconds: float, ubatches: int = 1, weight: float | None = None) -> None:
+    def step(self, sizes: list[int]) -> float:
+        return 0.05 + 0.0001 * sum(sizes)
+
+    def observe(self, sizes: list[int], seconds: float) -> None:
         pass
 
 
@@ -357,3 +360,12 @@ def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:
         assert accepted and float(accepted[0].split()[-1]) == details["accepted_prediction_tokens"]
         bad = httpx.post(f"{url}/v1/chat/completions", json={**body, "prediction": {"type": "file"}}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_auto_times_each_ubatch_size_at_start_and_leaves_every_stream_empty(smollm2) -> None:
+    with engine(smollm2, speculative="auto", **SMALL) as e:
+        table = e.scheduler.speculator.cost.table
+        assert set(table) == set(CALIBRATION_SIZES) and all(seconds > 0 for seconds in table.values())
+        assert table[64] > table[1]
+        ctx = e.pool.ctx
+        assert all(ctx.seq_pos_max(seq) == -1 for seq in range(ctx.n_seq_max))

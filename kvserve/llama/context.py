@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -138,6 +139,29 @@ class Context:
             raise NoKvSlot(code)
         if code != 0:
             raise DecodeError(code)
+
+    def time_ubatches(self, sizes: list[int], seq: int = 0, token: int = 0) -> dict[int, float]:
+        """Seconds one decode of `n` tokens (each with logits) in stream `seq` takes, for each n in
+        `sizes` (after a warm-up decode), in stream `seq`, left empty; nothing where it holds rows."""
+        if self.seq_pos_max(seq) >= 0:
+            return {}
+        sizes = [n for n in sizes if 1 <= n <= min(self.n_ubatch, self.n_ctx_seq)]
+        batch = Batch(max(sizes, default=1))
+        seconds: dict[int, float] = {}
+        try:
+            for n in [1, *sizes]:
+                batch.clear()
+                for pos in range(n):
+                    batch.add(token, pos, seq, True)
+                started = time.perf_counter()
+                self.decode(batch)
+                took = time.perf_counter() - started
+                self.seq_rm(seq)
+                seconds[n] = took
+        finally:
+            batch.close()
+            self.seq_rm(seq)
+        return {n: seconds[n] for n in sizes}
 
     def logits(self, index: int) -> np.ndarray:
         """A view of the logits of batch entry `index` (valid until the next decode)."""

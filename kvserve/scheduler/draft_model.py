@@ -14,7 +14,7 @@ Invariants:
   its last one, whose logits give the first guess; chunked by `n_batch`), then one decode per
   further guess, batched over the sequences still drafting; a guess that ends generation ends its
   draft;
-- `cost` is fitted on the decodes of one token per sequence (`a + b * sequences`), the steady state
+- `cost` is timed on the decodes of one token per sequence (seconds by sequences drafted), the steady state
   of drafting; a longer catch-up is an entry cost, counted in `catchup_tokens`/`catchup_seconds`.
 """
 
@@ -30,7 +30,7 @@ from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context, ContextParams, DecodeError, FlashAttn
 from kvserve.llama.model import Model
-from kvserve.scheduler.speculation import StepCost
+from kvserve.scheduler.ubatch_cost import UbatchCost
 
 _log = logging.getLogger("kvserve.draft")
 
@@ -60,14 +60,14 @@ class DraftModel:
             raise
         self.path = str(path)
         self.held: list[list[int]] = [[] for _ in range(target.n_seq_max)]
-        self.cost = StepCost(a=0.005, b=0.0005)
+        self.cost = UbatchCost({1: 0.0055, 64: 0.037})  # by sequences drafted in a step
         self.catchup_tokens = 0  # tokens decoded beyond one per sequence to catch streams up
         self.catchup_seconds = 0.0
         self._batch = Batch(self.ctx.n_batch)
 
     def describe(self) -> dict:
         return {"draft_model": self.path, "draft_model_name": Path(self.path).stem,
-                "draft_cost": {"a_seconds": round(self.cost.a, 5), "b_seconds_per_sequence": round(self.cost.b, 6)},
+                "draft_step_seconds": {str(n): round(t, 5) for n, t in sorted(self.cost.table.items())},
                 "draft_catchup_tokens": self.catchup_tokens}
 
     # -- following the target streams ----------------------------------------------------------------
@@ -155,7 +155,7 @@ class DraftModel:
         seconds = time.perf_counter() - started
         n_sequences = len({seq for seq, _, _ in entries})
         if len(entries) == n_sequences:
-            self.cost.observe(n_sequences, seconds)
+            self.cost.observe([n_sequences], seconds)
         else:
             self.catchup_tokens += len(entries) - n_sequences
             self.catchup_seconds += seconds

@@ -197,7 +197,7 @@ class Scheduler:
         try:
             self.pool.ctx.decode(self._batch)
             ubatches = ubatch_sizes([(s.choice.session.seq, s.n_decoded) for s in slots], self.pool.ctx.n_ubatch)
-            self.speculator.cost.observe(self._batch.n_tokens, time.perf_counter() - started, len(ubatches))
+            self.speculator.cost.observe(ubatches, time.perf_counter() - started)
         except NoKvSlot:
             self.planner.shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry
             return False

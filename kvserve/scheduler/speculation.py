@@ -9,16 +9,19 @@ sampled without speculation (penalties, logit_bias, grammars and seeded RNG draw
 drafter's guess can change how fast tokens come, never which.
 
 Choosing k (mode `auto`; a fixed drafter, `ngram`, `tree` or `draft`, drafts all it guesses up to
-`--draft-max`): a step costs about `a * ubatches + b * tokens` seconds (`StepCost`, fitted on the
-steps the engine runs). llama.cpp splits a step into ubatches that take the same number of tokens
-from a run of adjacent streams (`ubatch_sizes`), and each ubatch reads every weight again: a draft
-on one of eight decoding sequences costs a whole extra ubatch, equal drafts on all eight none. A
-draft token that the target accepts with probability `p` adds `p` expected tokens for `b` seconds;
-the speculator adds draft tokens, most likely first, while each raises the step's expected tokens
-per second and none is less likely than `MIN_GAIN`, then drops whole drafts while that raises it
-(the ubatches they cost). Where a step's cost grows with every token (a busy CPU) that stops
-drafts early; where weights dominate (one user) it lets long, likely drafts through. Acceptance
-is measured per drafter and per sequence.
+`--draft-max`): llama.cpp splits a step into ubatches that take the same number of tokens from a run
+of adjacent streams (`ubatch_sizes`), and a ubatch's cost is a table by its tokens (`UbatchCost`,
+timed on the context at start and kept current by the steps it runs): on a CPU it is not a line
+(tiles make 4 tokens cost about what 3 do). A draft token that the target accepts with chance `p`
+(the j-th with `p ** j`) adds that many expected tokens; the speculator keeps of each draft the
+length that gives the step the most expected tokens per second: the best equal length for all
+first (equal drafts on adjacent streams share ubatches), then each sequence's best with the others
+fixed. No draft token less likely than `MIN_GAIN` is drafted.
+
+Acceptance is measured per drafter and per sequence, on the drafts verified and, for free, on the
+proposals not drafted: such a proposal is watched (`SpecState.watch`) and compared with the output
+as it comes. So `auto` learns that prose repeats little without paying a step to find out, and
+drafts again where a sequence starts to repeat.
 
 A draft model (`--draft-model`, `DraftModel`, mode `draft` only) drafts, in one batch, every
 sequence that has no `prediction` to draft from, to `--draft-max`. `auto` does not ask it: on 2 CPU
@@ -35,12 +38,13 @@ Invariants:
 from __future__ import annotations
 
 import enum
-import heapq
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import Drafter, NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
+from kvserve.scheduler.ubatch_cost import UbatchCost
 
 if TYPE_CHECKING:
     from kvserve.scheduler.draft_model import DraftModel
@@ -59,6 +63,9 @@ PRIOR_ACCEPTANCE = {"prediction": 0.8, "tree": 0.7, "ngram": 0.5, "draft": 0.6}
 # A draft token less likely than this to be accepted is never drafted, whatever the fitted cost says:
 # a fit on noisy steps can find a token free (b = 0, measured), and rejected rows are never free.
 MIN_GAIN = 0.25
+# Draft lengths `auto` weighs (beside each proposal's whole useful length): on a CPU a ubatch of
+# 4, 16 or 32 tokens costs about what one of 3, 15 or 31 does.
+_LENGTHS = (*range(1, 9), 10, 12, 15, 16, 23, 24, 31, 32, 47, 48, 63, 64)
 # Weight of the newest verification in a sequence's acceptance average.
 ACCEPTANCE_EMA = 0.3
 @dataclass
@@ -66,7 +73,10 @@ class DrafterStats:
     drafted: int = 0
     accepted: int = 0
     drafts: int = 0  # verifications
-    trials: int = 0  # accepted tokens plus the rejections that ended drafts
+    # of drafts verified and proposals watched (`Speculator._settle_watch`): the tokens that were
+    # right, and those plus the wrong ones that ended them
+    right: int = 0
+    trials: int = 0
 
 
 @dataclass
@@ -77,47 +87,17 @@ class SpecState:
     acceptance: dict[str, float] = field(default_factory=dict)
     prediction_accepted: int = 0
     prediction_rejected: int = 0
+    # a proposal not drafted, compared with the output as it comes: drafter, tokens, where it starts
+    watch: tuple[str, list[int], int] | None = None
 
     def rate(self, drafter: str, global_rate: float) -> float:
         return self.acceptance.get(drafter, global_rate)
 
 
-class StepCost:
-    """`seconds = a * ubatches + b * tokens` for a step (`ubatch_sizes`: each ubatch reads every
-    weight again), fitted by exponentially weighted least squares over recent steps (prior: a
-    guess, as if a few steps of one ubatch had been seen)."""
-
-    def __init__(self, a: float = 0.02, b: float = 0.002, weight: float = 0.05) -> None:
-        self.a, self.b = a, b
-        self.weight = weight
-        # weighted sums of u*u, u*n, n*n, u*t, n*t
-        self._sums = [0.0] * 5
-        for n in (1, 16):
-            self.observe(n, a + b * n, weight=0.5)
-
-    def observe(self, n_tokens: int, seconds: float, ubatches: int = 1, weight: float | None = None) -> None:
-        w = self.weight if weight is None else weight
-        u, n, t = ubatches, n_tokens, seconds
-        s = self._sums
-        for i, value in enumerate((u * u, u * n, n * n, u * t, n * t)):
-            s[i] = (1 - w) * s[i] + w * value
-        uu, un, nn, ut, nt = s
-        det = uu * nn - un * un
-        if det > 1e-12 * uu * nn:
-            self.a = (ut * nn - nt * un) / det
-            self.b = (uu * nt - un * ut) / det
-        if self.b < 0 or self.a <= 0:  # a fit outside the model's range: keep the per-ubatch part
-            self.b = max(self.b, 0.0) if self.a > 0 else max(nt / nn, 0.0)
-            self.a = max((ut - self.b * un) / uu, 1e-6)
-
-    def seconds(self, n_tokens: int, ubatches: int = 1) -> float:
-        return self.a * ubatches + self.b * n_tokens
-
-
 @dataclass(frozen=True)
 class SpecConfig:
     mode: SpecMode = SpecMode.OFF
-    draft_max: int = 8  # most draft tokens per sequence and step
+    draft_max: int = 16  # most draft tokens per sequence and step
 
 
 class Speculator:
@@ -128,7 +108,7 @@ class Speculator:
         self.enabled = config.mode is not SpecMode.OFF and can_cut
         if self.enabled and config.mode is SpecMode.DRAFT and draft_model is None:
             raise ValueError("--speculative draft needs --draft-model")
-        self.cost = StepCost()
+        self.cost = UbatchCost()
         self.stats: dict[str, DrafterStats] = {}
         ngram, prediction = NgramDrafter(), PredictionDrafter()
         drafters: dict[SpecMode, list[Drafter]] = {
@@ -148,70 +128,62 @@ class Speculator:
         model = self.draft_model
         return {"mode": self.config.mode.value, "enabled": self.enabled, "draft_max": self.config.draft_max,
                 "drafters": [d.name for d in self.drafters] + ([model.name] if model else []),
-                "step_cost": {"a_seconds": round(self.cost.a, 5), "b_seconds_per_token": round(self.cost.b, 6)},
+                "ubatch_seconds": {str(n): round(t, 5) for n, t in sorted(self.cost.table.items()) if n <= 64},
                 **(model.describe() if model else {})}
 
     def global_rate(self, drafter: str) -> float:
         stats = self.stats[drafter]
         prior = PRIOR_ACCEPTANCE.get(drafter, 0.5)
-        return (stats.accepted + 4 * prior) / (stats.trials + 4)
+        return (stats.right + 4 * prior) / (stats.trials + 4)
 
     def choose(self, candidates: list[tuple[SpecState, int]], n_decoding: int, n_other: int) -> list[tuple[list[int], str]]:
         """Drafts for `candidates` (a state and the most draft tokens its stream, limits and the
         budget allow; one per decoding sequence), for a step that also carries `n_other` prompt
-        tokens (`auto`): each draft token is kept while it raises expected tokens per second of step,
-        then whole drafts are dropped while that raises it (a draft that makes a ubatch of its own
-        pays for a read of every weight)."""
-        proposals: list[tuple[list[int], str, float]] = []
-        for state, limit in candidates:
-            proposals.append(self._propose(state, min(limit, self.config.draft_max)))
-        seqs = [state.sequence.seq for state, _ in candidates]
+        tokens. `auto` keeps of each draft the length that gives the step the most expected tokens
+        per second (`_best_lengths`); a proposal it keeps none of is watched instead (`_watch`)."""
+        for state, _ in candidates:
+            self._settle_watch(state)
+        proposals = [self._propose(state, min(limit, self.config.draft_max)) for state, limit in candidates]
         if self.draft_model is not None:
             self._draft_with_model(candidates, proposals)
         if self.config.mode is not SpecMode.AUTO:
             return [(draft, name) for draft, name, _ in proposals]  # a fixed drafter drafts all it can
-        keep = [0] * len(proposals)
-        rates = [rate for _, _, rate in proposals]
-        expected = float(n_decoding)
-        seconds = self._seconds(seqs, keep, n_other)
-        heap = [(-rate, i) for i, (draft, _, rate) in enumerate(proposals) if draft]
-        heapq.heapify(heap)
-        while heap:
-            neg_gain, i = heapq.heappop(heap)
-            gain = -neg_gain
-            if gain < MIN_GAIN or gain * seconds <= expected * self.cost.b:
-                break  # (expected + gain) / (seconds + b) would not beat expected / seconds
-            keep[i] += 1
-            seconds += self.cost.b
-            expected += gain
-            draft, _, rate = proposals[i]
-            if keep[i] < len(draft):
-                heapq.heappush(heap, (-(gain * rate), i))
-        keep = self._drop_costly_drafts(seqs, rates, keep, n_other)
+        seqs = [state.sequence.seq for state, _ in candidates]
+        keep = self._best_lengths(seqs, proposals, n_other)
+        for (state, _), (draft, name, _), n in zip(candidates, proposals, keep):
+            if n:
+                state.watch = None
+            elif draft and state.watch is None:
+                state.watch = (name, draft, len(state.sequence.tokens))
         return [(draft[:n], name) for (draft, name, _), n in zip(proposals, keep)]
+
+    def _best_lengths(self, seqs: list[int], proposals: list[tuple[list[int], str, float]], n_other: int) -> list[int]:
+        """How much of each proposal to draft: the best equal length for all (equal drafts on
+        adjacent streams share ubatches), then each sequence's best length with the others fixed,
+        by expected tokens per second of step (`UbatchCost`). A draft token less likely than
+        `MIN_GAIN` is never drafted."""
+        rates = [rate for _, _, rate in proposals]
+        caps = [_useful_length(rate, len(draft)) for draft, _, rate in proposals]
+        if not any(caps):
+            return caps
+
+        def goodput(drafts: list[int]) -> float:
+            return _expected(rates, drafts, len(seqs)) / self._seconds(seqs, drafts, n_other)
+
+        lengths = sorted({n for cap in caps for n in _LENGTHS if n < cap} | set(caps) | {0})
+        keep = max(([min(n, cap) for cap in caps] for n in lengths), key=goodput)
+        for i in sorted(range(len(caps)), key=lambda i: -rates[i]):
+            if caps[i]:
+                trials = [keep[:i] + [n] + keep[i + 1:] for n in lengths if n <= caps[i]]
+                keep = max(trials, key=goodput)
+        return keep
 
     def _seconds(self, seqs: list[int], drafts: list[int], n_other: int) -> float:
         """What a step costs that decodes `seqs`, each with its draft, and `n_other` prompt tokens
         (in ubatches of their own)."""
-        ubatches = len(ubatch_sizes([(seq, 1 + k) for seq, k in zip(seqs, drafts)], self.n_ubatch))
-        return self.cost.seconds(len(seqs) + sum(drafts) + n_other, ubatches + -(-n_other // self.n_ubatch))
-
-    def _drop_costly_drafts(self, seqs: list[int], rates: list[float], keep: list[int], n_other: int) -> list[int]:
-        """`keep`, less the whole drafts whose dropping most raises expected tokens per second of
-        step, one at a time, while one does."""
-        def goodput(drafts: list[int]) -> float:
-            return _expected(rates, drafts, len(seqs)) / self._seconds(seqs, drafts, n_other)
-
-        best = goodput(keep)
-        while True:
-            options = [(goodput(trial), trial) for i in range(len(keep)) if keep[i]
-                       for trial in [keep[:i] + [0] + keep[i + 1:]]]
-            if not options:
-                return keep
-            rate, trial = max(options, key=lambda option: option[0])
-            if rate <= best:
-                return keep
-            best, keep = rate, trial
+        sizes = ubatch_sizes([(seq, 1 + k) for seq, k in zip(seqs, drafts)], self.n_ubatch)
+        full, rest = divmod(n_other, self.n_ubatch)
+        return self.cost.step(sizes + [self.n_ubatch] * full + ([rest] if rest else []))
 
     def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[tuple[list[int], str, float]]) -> None:
         """The draft model's guesses, in one batch, for the candidates without a proposal (mode
@@ -243,13 +215,45 @@ class Speculator:
         stats.drafts += 1
         stats.drafted += drafted
         stats.accepted += accepted
-        stats.trials += accepted + (accepted < drafted)
-        rate = accepted / (accepted + (accepted < drafted))  # each draft token's chance, given the one before
-        old = state.rate(drafter, self.global_rate(drafter))
-        state.acceptance[drafter] = (1 - ACCEPTANCE_EMA) * old + ACCEPTANCE_EMA * rate
+        self._learn(state, drafter, accepted, accepted < drafted)
         if drafter == "prediction":
             state.prediction_accepted += accepted
             state.prediction_rejected += drafted - accepted
+
+    def _settle_watch(self, state: SpecState) -> None:
+        """Learn from a proposal that was watched, not drafted, once the output has confirmed all of
+        it or departed from it: what the target would have accepted, measured for free."""
+        if state.watch is None:
+            return
+        drafter, draft, start = state.watch
+        since = state.sequence.tokens[start:]
+        n = 0
+        while n < len(since) and n < len(draft) and since[n] == draft[n]:
+            n += 1
+        if n == len(since) and n < len(draft):
+            return  # the output agrees so far
+        state.watch = None
+        self._learn(state, drafter, n, n < len(draft))
+
+    def _learn(self, state: SpecState, drafter: str, accepted: int, rejected: bool) -> None:
+        """`accepted` draft tokens in a row were right, then one was wrong (`rejected`) or none was
+        left: each draft token's chance, given the one before, is accepted / (accepted + rejected)."""
+        stats = self.stats[drafter]
+        stats.trials += accepted + rejected
+        stats.right += accepted
+        if accepted + rejected:
+            old = state.rate(drafter, self.global_rate(drafter))
+            state.acceptance[drafter] = (1 - ACCEPTANCE_EMA) * old + ACCEPTANCE_EMA * accepted / (accepted + rejected)
+
+
+def _useful_length(rate: float, n: int) -> int:
+    """The longest prefix of a draft of `n` tokens whose every token is at least `MIN_GAIN` likely
+    to be accepted (the j-th with chance rate ** j)."""
+    if rate <= MIN_GAIN:
+        return 0
+    if rate >= 1:
+        return n
+    return min(n, int(math.log(MIN_GAIN) / math.log(rate) + 1e-9))
 
 
 def _expected(rates: list[float], drafts: list[int], n_decoding: int) -> float:
