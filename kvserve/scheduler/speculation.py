@@ -21,7 +21,8 @@ fixed. No draft token less likely than `MIN_GAIN` is drafted.
 Acceptance is measured per drafter and per sequence, on the drafts verified and, for free, on the
 proposals not drafted: such a proposal is watched (`SpecState.watch`) and compared with the output
 as it comes. So `auto` learns that prose repeats little without paying a step to find out, and
-drafts again where a sequence starts to repeat.
+drafts again where a sequence starts to repeat. A sequence drafts n-grams only once it has watched
+one settle (`WATCH_FIRST`): another request's text repeating says little of this one's.
 
 A draft model (`--draft-model`, `DraftModel`, mode `draft` only) drafts, in one batch, every
 sequence that has no `prediction` to draft from, to `--draft-max`. `auto` does not ask it: on 2 CPU
@@ -66,8 +67,13 @@ MIN_GAIN = 0.25
 # Draft lengths `auto` weighs (beside each proposal's whole useful length): on a CPU a ubatch of
 # 4, 16 or 32 tokens costs about what one of 3, 15 or 31 does.
 _LENGTHS = (*range(1, 9), 10, 12, 15, 16, 23, 24, 31, 32, 47, 48, 63, 64)
-# Weight of the newest verification in a sequence's acceptance average.
-ACCEPTANCE_EMA = 0.3
+# A sequence's evidence of a drafter's acceptance fades by this much at each new settlement, so
+# that its rate follows where its text starts or stops repeating.
+EVIDENCE_DECAY = 0.5
+# Drafters that guess from text alone: `auto` drafts their proposals for a sequence only once it has
+# watched one of them settle (a prediction is the client's word, a tree draft this very context's).
+WATCH_FIRST = frozenset({"ngram"})
+
 @dataclass
 class DrafterStats:
     drafted: int = 0
@@ -84,14 +90,24 @@ class SpecState:
     """One choice's view for drafters and its measured acceptance per drafter."""
 
     sequence: Sequence
-    acceptance: dict[str, float] = field(default_factory=dict)
+    # per drafter: the draft tokens that were right and those plus the wrong ones, faded
+    evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
     prediction_accepted: int = 0
     prediction_rejected: int = 0
     # a proposal not drafted, compared with the output as it comes: drafter, tokens, where it starts
-    watch: tuple[str, list[int], int] | None = None
+    watch: tuple[str, list[int], int, int] | None = None  # and how many of its tokens are credited
 
     def rate(self, drafter: str, global_rate: float) -> float:
-        return self.acceptance.get(drafter, global_rate)
+        """Each draft token's chance, given the one before: this sequence's evidence, the drafter's
+        rate over all sequences counting as one token of it, and a watched proposal's next token as
+        wrong until it comes true; 0 for a `WATCH_FIRST` drafter that this sequence has no evidence
+        of yet."""
+        right, trials = self.evidence.get(drafter, (0.0, 0.0))
+        if not trials and drafter in WATCH_FIRST:
+            return 0.0
+        if self.watch is not None and self.watch[0] == drafter:
+            trials += 1  # the watched proposal's next token: not yet known to come true
+        return (right + global_rate) / (trials + 1)
 
 
 @dataclass(frozen=True)
@@ -154,7 +170,7 @@ class Speculator:
             if n:
                 state.watch = None
             elif draft and state.watch is None:
-                state.watch = (name, draft, len(state.sequence.tokens))
+                state.watch = (name, draft, len(state.sequence.tokens), 0)
         return [(draft[:n], name) for (draft, name, _), n in zip(proposals, keep)]
 
     def _best_lengths(self, seqs: list[int], proposals: list[tuple[list[int], str, float]], n_other: int) -> list[int]:
@@ -221,29 +237,31 @@ class Speculator:
             state.prediction_rejected += drafted - accepted
 
     def _settle_watch(self, state: SpecState) -> None:
-        """Learn from a proposal that was watched, not drafted, once the output has confirmed all of
-        it or departed from it: what the target would have accepted, measured for free."""
+        """Learn from a proposal that was watched, not drafted, as the output confirms its tokens
+        (each is credited once, so drafting can resume while it still agrees) and once the output
+        departs from it: what the target would have accepted, measured for free."""
         if state.watch is None:
             return
-        drafter, draft, start = state.watch
+        drafter, draft, start, credited = state.watch
         since = state.sequence.tokens[start:]
         n = 0
         while n < len(since) and n < len(draft) and since[n] == draft[n]:
             n += 1
-        if n == len(since) and n < len(draft):
-            return  # the output agrees so far
-        state.watch = None
-        self._learn(state, drafter, n, n < len(draft))
+        ended = n < len(since) or n == len(draft)
+        if n > credited or ended:
+            self._learn(state, drafter, n - credited, ended and n < len(draft), fade=not credited)
+        state.watch = None if ended else (drafter, draft, start, n)
 
-    def _learn(self, state: SpecState, drafter: str, accepted: int, rejected: bool) -> None:
-        """`accepted` draft tokens in a row were right, then one was wrong (`rejected`) or none was
-        left: each draft token's chance, given the one before, is accepted / (accepted + rejected)."""
+    def _learn(self, state: SpecState, drafter: str, right: int, wrong: bool, fade: bool = True) -> None:
+        """`right` draft tokens in a row came true, then one did not (`wrong`) or none was left: each
+        draft token's chance, given the one before, is right / (right + wrong). The sequence's
+        earlier evidence fades first (`fade`), once per draft or watched proposal."""
         stats = self.stats[drafter]
-        stats.trials += accepted + rejected
-        stats.right += accepted
-        if accepted + rejected:
-            old = state.rate(drafter, self.global_rate(drafter))
-            state.acceptance[drafter] = (1 - ACCEPTANCE_EMA) * old + ACCEPTANCE_EMA * accepted / (accepted + rejected)
+        stats.trials += right + wrong
+        stats.right += right
+        had_right, had_trials = state.evidence.get(drafter, (0.0, 0.0))
+        keep = EVIDENCE_DECAY if fade else 1.0
+        state.evidence[drafter] = (keep * had_right + right, keep * had_trials + right + wrong)
 
 
 def _useful_length(rate: float, n: int) -> int:
