@@ -50,17 +50,22 @@ def _linear(a: float, b: float) -> UbatchCost:
     return UbatchCost({n: a + b * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 512)})
 
 
-def test_ubatch_cost_interpolates_extends_and_learns_each_size() -> None:
+def test_ubatch_cost_interpolates_and_extends_the_timed_sizes() -> None:
     cost = UbatchCost({1: 0.06, 4: 0.12, 8: 0.24, 16: 0.30})
     assert abs(cost.ubatch(2) - 0.08) < 1e-9 and abs(cost.ubatch(12) - 0.27) < 1e-9
     assert abs(cost.ubatch(20) - (0.30 + 4 * 0.06 / 8)) < 1e-9  # the last two sizes' slope
-    assert abs(cost.step([4, 16]) - 0.42) < 1e-9
-    for _ in range(100):
-        cost.observe([3], 0.12)  # on this CPU 3 tokens cost what 4 do: a size first seen is kept
-        cost.observe([4, 16], 0.84)  # a slower box: both sizes twice as dear
-    assert abs(cost.ubatch(3) - 0.12) < 1e-3
-    assert abs(cost.ubatch(4) - 0.24) < 1e-3 and abs(cost.ubatch(16) - 0.60) < 1e-3
-    assert abs(cost.ubatch(1) - 0.06) < 1e-9  # a size never seen again keeps its timing
+    assert abs(cost.step([4, 16]) - 0.42) < 1e-9 and cost.per_key == 0
+
+
+def test_ubatch_cost_learns_the_machines_load_and_the_price_of_attention() -> None:
+    """Timed in an empty stream, the table misses what each token's attention to its context costs:
+    the steps the engine runs teach a scale for the table and a price per key read."""
+    cost = UbatchCost({1: 0.06, 4: 0.12, 8: 0.24, 16: 0.30})
+    for _ in range(300):
+        for sizes, keys in (([1], 100), ([8], 8000), ([4, 16], 3000), ([16], 20000)):
+            cost.observe(sizes, 2 * sum(cost.ubatch(n) for n in sizes) + 1e-5 * keys, keys)
+    assert abs(cost.scale - 2) < 1e-3 and abs(cost.per_key - 1e-5) < 1e-7
+    assert abs(cost.step([8], 8000) - (0.48 + 0.08)) < 1e-3
 
 
 def test_ubatches_follow_llama_cpps_split_of_a_batch_into_equal_runs() -> None:

@@ -196,8 +196,10 @@ class Scheduler:
         started = time.perf_counter()
         try:
             self.pool.ctx.decode(self._batch)
-            ubatches = ubatch_sizes([(s.choice.session.seq, s.n_decoded) for s in slots], self.pool.ctx.n_ubatch)
-            self.speculator.cost.observe(ubatches, time.perf_counter() - started)
+            if all(s.n_tokens == 1 for s in slots):  # decodes and drafts only: what drafts are priced against
+                ubatches = ubatch_sizes([(s.choice.session.seq, s.n_decoded) for s in slots], self.pool.ctx.n_ubatch)
+                keys = sum(s.n_decoded * (s.choice.session.n_past + s.n_decoded) for s in slots)
+                self.speculator.cost.observe(ubatches, time.perf_counter() - started, keys)
         except NoKvSlot:
             self.planner.shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry
             return False

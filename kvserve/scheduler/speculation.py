@@ -145,6 +145,7 @@ class Speculator:
         return {"mode": self.config.mode.value, "enabled": self.enabled, "draft_max": self.config.draft_max,
                 "drafters": [d.name for d in self.drafters] + ([model.name] if model else []),
                 "ubatch_seconds": {str(n): round(t, 5) for n, t in sorted(self.cost.table.items()) if n <= 64},
+                "ubatch_scale": round(self.cost.scale, 3), "seconds_per_key": self.cost.per_key,
                 **(model.describe() if model else {})}
 
     def global_rate(self, drafter: str) -> float:
@@ -165,7 +166,8 @@ class Speculator:
         if self.config.mode is not SpecMode.AUTO:
             return [(draft, name) for draft, name, _ in proposals]  # a fixed drafter drafts all it can
         seqs = [state.sequence.seq for state, _ in candidates]
-        keep = self._best_lengths(seqs, proposals, n_other)
+        contexts = [len(state.sequence.tokens) for state, _ in candidates]
+        keep = self._best_lengths(seqs, contexts, proposals, n_other)
         for (state, _), (draft, name, _), n in zip(candidates, proposals, keep):
             if n:
                 state.watch = None
@@ -173,7 +175,8 @@ class Speculator:
                 state.watch = (name, draft, len(state.sequence.tokens), 0)
         return [(draft[:n], name) for (draft, name, _), n in zip(proposals, keep)]
 
-    def _best_lengths(self, seqs: list[int], proposals: list[tuple[list[int], str, float]], n_other: int) -> list[int]:
+    def _best_lengths(self, seqs: list[int], contexts: list[int], proposals: list[tuple[list[int], str, float]],
+                      n_other: int) -> list[int]:
         """How much of each proposal to draft: the best equal length for all (equal drafts on
         adjacent streams share ubatches), then each sequence's best length with the others fixed,
         by expected tokens per second of step (`UbatchCost`). A draft token less likely than
@@ -184,7 +187,7 @@ class Speculator:
             return caps
 
         def goodput(drafts: list[int]) -> float:
-            return _expected(rates, drafts, len(seqs)) / self._seconds(seqs, drafts, n_other)
+            return _expected(rates, drafts, len(seqs)) / self._seconds(seqs, contexts, drafts, n_other)
 
         lengths = sorted({n for cap in caps for n in _LENGTHS if n < cap} | set(caps) | {0})
         keep = max(([min(n, cap) for cap in caps] for n in lengths), key=goodput)
@@ -194,12 +197,14 @@ class Speculator:
                 keep = max(trials, key=goodput)
         return keep
 
-    def _seconds(self, seqs: list[int], drafts: list[int], n_other: int) -> float:
-        """What a step costs that decodes `seqs`, each with its draft, and `n_other` prompt tokens
-        (in ubatches of their own)."""
+    def _seconds(self, seqs: list[int], contexts: list[int], drafts: list[int], n_other: int) -> float:
+        """What a step costs that decodes `seqs`, each with its draft after `contexts` tokens, and
+        `n_other` prompt tokens (in ubatches of their own; their keys are the same whatever the
+        drafts, and left out)."""
         sizes = ubatch_sizes([(seq, 1 + k) for seq, k in zip(seqs, drafts)], self.n_ubatch)
         full, rest = divmod(n_other, self.n_ubatch)
-        return self.cost.step(sizes + [self.n_ubatch] * full + ([rest] if rest else []))
+        keys = sum((1 + k) * (n + k) for n, k in zip(contexts, drafts))
+        return self.cost.step(sizes + [self.n_ubatch] * full + ([rest] if rest else []), keys)
 
     def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[tuple[list[int], str, float]]) -> None:
         """The draft model's guesses, in one batch, for the candidates without a proposal (mode
