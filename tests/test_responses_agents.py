@@ -5,8 +5,9 @@ the first call, may call tools until max_turns: a near-tie for SmolLM2 that the 
 
 Unlike the Chat Completions model, the Responses model raises on a reply cut at its token limit
 (`incomplete`). SmolLM2's last answer sometimes repeats one sentence until cut (the call ids in its
-prompt are random, so greedy decoding differs from run to run), so these runs set a frequency
-penalty, a field kvserve accepts on /v1/responses as vLLM does."""
+prompt are random, so greedy decoding differs from run to run; a CI run saw it cut at 120 tokens
+with a penalty of 0.5), so these runs set a frequency penalty of 1.0, a field kvserve accepts on
+/v1/responses as vLLM does, and allow 240 tokens."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def responses_agent(base_url: str, calls: list[tuple[str, Any]]) -> Agent:
     """test_agents' agent, served through /v1/responses."""
     agent = weather_agent(base_url, calls)
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    settings = dataclasses.replace(agent.model_settings, extra_body={"frequency_penalty": 0.5})
+    settings = dataclasses.replace(agent.model_settings, max_tokens=240, extra_body={"frequency_penalty": 1.0})
     return agent.clone(model=OpenAIResponsesModel(model="smollm2", openai_client=client), model_settings=settings)
 
 
