@@ -83,10 +83,10 @@ def test_auto_drops_a_draft_that_would_make_a_ubatch_of_its_own() -> None:
     read of every weight: auto drops it; eight sequences' drafts share the one ubatch and are kept,
     as is one sequence's draft when it decodes alone."""
     speculator = _speculator(a=0.1, b=0.001)
-    one_of_eight = speculator.choose(_states(8, repeating=range(3, 4)), n_decoding=8, n_other=0)
+    one_of_eight = speculator.choose(_states(8, repeating=range(3, 4)), n_other=0)
     assert one_of_eight[3][0] == [] and all(draft == [] for draft, _ in one_of_eight)
-    assert all(len(draft) >= 2 for draft, _ in speculator.choose(_states(8), n_decoding=8, n_other=0))
-    assert len(speculator.choose(_states(1), n_decoding=1, n_other=0)[0][0]) >= 2
+    assert all(len(draft) >= 2 for draft, _ in speculator.choose(_states(8), n_other=0))
+    assert len(speculator.choose(_states(1), n_other=0)[0][0]) >= 2
 
 
 def _speculator(a: float, b: float) -> Speculator:
@@ -108,16 +108,16 @@ def _states(n: int, repeating: range | None = None) -> list[tuple[SpecState, int
 
 
 def test_auto_drafts_where_weights_dominate_and_not_where_each_token_costs_its_share() -> None:
-    cheap = _speculator(a=0.05, b=0.0005).choose(_states(1), n_decoding=1, n_other=0)
+    cheap = _speculator(a=0.05, b=0.0005).choose(_states(1), n_other=0)
     assert len(cheap[0][0]) >= 2 and cheap[0][1] == "ngram"
-    linear = _speculator(a=0.0005, b=0.01).choose(_states(8), n_decoding=8, n_other=0)
+    linear = _speculator(a=0.0005, b=0.01).choose(_states(8), n_other=0)
     assert all(draft == [] for draft, _ in linear)  # a step costs per token: no guess pays
 
 
 def test_a_fixed_drafter_drafts_all_it_guesses() -> None:
     speculator = Speculator(SpecConfig(SpecMode.NGRAM, draft_max=3), None, can_cut=True)
     speculator.cost = _linear(a=0.0005, b=0.01)
-    assert speculator.choose(_states(1), n_decoding=1, n_other=0)[0] == ([4, 5, 6], "ngram")
+    assert speculator.choose(_states(1), n_other=0)[0] == ([4, 5, 6], "ngram")
 
 
 def test_nothing_drafts_where_rows_cannot_be_cut() -> None:
@@ -129,9 +129,9 @@ def test_auto_never_drafts_unlikely_tokens_even_where_tokens_seem_free() -> None
     speculator = _speculator(a=0.05, b=0.0)
     state, limit = _states(1)[0]
     state.evidence["ngram"] = (20, 100)
-    assert speculator.choose([(state, limit)], n_decoding=1, n_other=0)[0][0] == []
+    assert speculator.choose([(state, limit)], n_other=0)[0][0] == []
     state.evidence["ngram"] = (90, 100)
-    assert len(speculator.choose([(state, limit)], n_decoding=1, n_other=0)[0][0]) >= 8 - 1
+    assert len(speculator.choose([(state, limit)], n_other=0)[0][0]) >= 8 - 1
 
 
 class _FakeDraftModel:
@@ -163,7 +163,7 @@ def _unguessable(n: int) -> list[tuple[SpecState, int]]:
 
 def test_draft_mode_drafts_every_sequence_in_one_call() -> None:
     model = _FakeDraftModel(a=0.05, b=0.01)  # a loss, but `draft` always drafts
-    drafts = _with_model(model, SpecMode.DRAFT).choose(_unguessable(3), n_decoding=3, n_other=0)
+    drafts = _with_model(model, SpecMode.DRAFT).choose(_unguessable(3), n_other=0)
     assert drafts == [([1, 1, 1, 1], "draft")] * 3 and model.calls == [[(0, 4), (1, 4), (2, 4)]]
 
 
@@ -174,7 +174,7 @@ def test_auto_does_not_ask_a_draft_model() -> None:
     speculator = _with_model(model)
     speculator.cost = _linear(a=0.05, b=0.0005)
     assert speculator.draft_model is None and "draft" not in speculator.describe()["drafters"]
-    assert speculator.choose(_unguessable(2), n_decoding=2, n_other=0) == [([], "")] * 2 and model.calls == []
+    assert speculator.choose(_unguessable(2), n_other=0) == [([], "")] * 2 and model.calls == []
 
 
 # a 1.5B's ubatches on 2 cores (ms by tokens): a tile of 4 costs what 3 do, 16 less than 14
@@ -186,7 +186,7 @@ def _tiled(rate: float, draft_max: int = 16) -> list[int]:
     speculator.cost = UbatchCost({n: ms / 1000 for n, ms in _TILED.items()})
     state = SpecState(Sequence(list(range(40)), 40, prediction=list(range(40, 80))))
     state.evidence["prediction"] = (1000 * rate, 1000)
-    return [len(draft) for draft, _ in speculator.choose([(state, 30)], n_decoding=1, n_other=0)]
+    return [len(draft) for draft, _ in speculator.choose([(state, 30)], n_other=0)]
 
 
 def test_auto_drafts_the_length_whose_ubatch_pays_best() -> None:
@@ -204,15 +204,15 @@ def test_a_proposal_not_drafted_is_watched_and_teaches_acceptance_for_free() -> 
     speculator = _speculator(a=0.0005, b=0.01)
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
     state = SpecState(Sequence(tokens, 3, seq=0))
-    assert speculator.choose([(state, 8)], n_decoding=1, n_other=0)[0][0] == []
+    assert speculator.choose([(state, 8)], n_other=0)[0][0] == []
     assert state.watch == ("ngram", [4, 5, 6, 7, 8, 1, 2, 3], 11, 0)
     assert state.rate("ngram", 0.9) == 0  # nothing watched yet: an n-gram is not drafted
     tokens += [4, 5]
-    speculator.choose([(state, 8)], n_decoding=1, n_other=0)
+    speculator.choose([(state, 8)], n_other=0)
     assert state.evidence["ngram"] == (2, 2) and state.watch[3] == 2  # credited as they come
     assert state.rate("ngram", 0.9) == (2 + 0.9) / (2 + 1 + 1)  # the next one counted wrong until it comes
     tokens += [9]
-    speculator.choose([(state, 8)], n_decoding=1, n_other=0)
+    speculator.choose([(state, 8)], n_other=0)
     stats = speculator.stats["ngram"]
     assert (stats.right, stats.trials, stats.drafted, stats.accepted) == (2, 3, 0, 0)
     assert state.evidence["ngram"] == (2, 3)
@@ -230,6 +230,6 @@ def test_auto_drafts_an_ngram_only_after_watching_one_settle() -> None:
     speculator.stats["ngram"].right, speculator.stats["ngram"].trials = 95, 100
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
     state = SpecState(Sequence(tokens, 3, seq=0))
-    assert speculator.choose([(state, 8)], n_decoding=1, n_other=0)[0][0] == []
+    assert speculator.choose([(state, 8)], n_other=0)[0][0] == []
     tokens += [4, 5, 6, 7, 8, 1, 2, 3]  # the whole watched proposal came true
-    assert len(speculator.choose([(state, 8)], n_decoding=1, n_other=0)[0][0]) >= 4
+    assert len(speculator.choose([(state, 8)], n_other=0)[0][0]) >= 4

@@ -107,7 +107,7 @@ class BatchPlanner:
             limit = min(reserved - 1, request.max_tokens - choice.n_generated - 1,
                         self.config.max_seq_len - len(choice.tokens), max(spare, 0))
             candidates.append((choice.spec, limit))
-        for slot, (draft, drafter) in zip(decoding, speculator.choose(candidates, len(decoding), n_prefill)):
+        for slot, (draft, drafter) in zip(decoding, speculator.choose(candidates, n_prefill)):
             draft = draft[: max(spare, 0)]
             slot.draft, slot.drafter = draft, drafter
             spare -= len(draft)

@@ -67,7 +67,7 @@ class DraftModel:
 
     def describe(self) -> dict:
         return {"draft_model": self.path, "draft_model_name": Path(self.path).stem,
-                "draft_step_seconds": {str(n): round(t, 5) for n, t in sorted(self.cost.table.items())},
+                "draft_step_seconds": {str(n): round(self.cost.step([n]), 5) for n in sorted(self.cost.table)},
                 "draft_catchup_tokens": self.catchup_tokens}
 
     # -- following the target streams ----------------------------------------------------------------

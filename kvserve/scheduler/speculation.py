@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import Drafter, NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
 from kvserve.scheduler.ubatch_cost import UbatchCost
@@ -61,8 +62,8 @@ class SpecMode(str, enum.Enum):
 
 # A drafter's acceptance before any of its drafts was verified (optimistic enough to be tried).
 PRIOR_ACCEPTANCE = {"prediction": 0.8, "tree": 0.7, "ngram": 0.5, "draft": 0.6}
-# A draft token less likely than this to be accepted is never drafted, whatever the fitted cost says:
-# a fit on noisy steps can find a token free (b = 0, measured), and rejected rows are never free.
+# A draft token less likely than this to be accepted is never drafted, whatever the priced cost says:
+# a price from noisy steps can make a token look free, and rejected rows are never free.
 MIN_GAIN = 0.25
 # Draft lengths `auto` weighs (beside each proposal's whole useful length): on a CPU a ubatch of
 # 4, 16 or 32 tokens costs about what one of 3, 15 or 31 does.
@@ -153,11 +154,11 @@ class Speculator:
         prior = PRIOR_ACCEPTANCE.get(drafter, 0.5)
         return (stats.right + 4 * prior) / (stats.trials + 4)
 
-    def choose(self, candidates: list[tuple[SpecState, int]], n_decoding: int, n_other: int) -> list[tuple[list[int], str]]:
+    def choose(self, candidates: list[tuple[SpecState, int]], n_other: int) -> list[tuple[list[int], str]]:
         """Drafts for `candidates` (a state and the most draft tokens its stream, limits and the
         budget allow; one per decoding sequence), for a step that also carries `n_other` prompt
         tokens. `auto` keeps of each draft the length that gives the step the most expected tokens
-        per second (`_best_lengths`); a proposal it keeps none of is watched instead (`_watch`)."""
+        per second (`_best_lengths`); a proposal it keeps none of is watched instead (`SpecState.watch`)."""
         for state, _ in candidates:
             self._settle_watch(state)
         proposals = [self._propose(state, min(limit, self.config.draft_max)) for state, limit in candidates]
@@ -249,9 +250,7 @@ class Speculator:
             return
         drafter, draft, start, credited = state.watch
         since = state.sequence.tokens[start:]
-        n = 0
-        while n < len(since) and n < len(draft) and since[n] == draft[n]:
-            n += 1
+        n = common_prefix(since, draft)
         ended = n < len(since) or n == len(draft)
         if n > credited or ended:
             self._learn(state, drafter, n - credited, ended and n < len(draft), fade=not credited)
