@@ -19,6 +19,31 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence() -> None:
     assert NgramDrafter().propose(Sequence([5, 6, 7, 8], 2), 4) == []  # no repeat, no guess
 
 
+def test_ngram_copy_learns_a_renamed_token_and_drafts_it_at_the_next_site() -> None:
+    source = [50, 1, 2, 3, 4, 5, 60, 6, 7, 8, 9, 60, 10, 11]  # 60: a name the edit renames to 61
+    seq = Sequence([*source, 90, 91, 50, 1, 2], prompt_len=len(source) + 2)
+    drafter = NgramDrafter()
+    assert drafter.propose(seq, 6) == [3, 4, 5, 60, 6, 7]
+    seq.tokens += [3, 4, 5, 61]  # the copy departs at the name: taken for a substitution
+    assert drafter.propose(seq, 3) == [6, 7, 8]  # drafting goes on after the renamed token
+    seq.tokens += [6]  # the substitution is confirmed
+    assert drafter.propose(seq, 6) == [7, 8, 9, 61, 10, 11]  # and drafted at the next site
+
+
+def test_ngram_copy_is_lost_after_two_departures_and_found_again_by_lookup() -> None:
+    seq = Sequence([50, 1, 2, 3, 4, 5, 6, 7, 8, 9, 90, 50, 1, 2, 3, 4], prompt_len=11)
+    drafter = NgramDrafter()
+    assert drafter.propose(seq, 3) == [5, 6, 7]
+    seq.tokens += [70, 71]  # a departure, then one that is no substitution either
+    assert drafter.propose(seq, 3) == []
+    seq.tokens += [8, 9]  # back on the source: "71 8 9" is unknown, "8 9" is found
+    assert drafter.propose(seq, 3) == [90, 50, 1]
+    short = Sequence([1, 2, 3, 9, 1, 2], prompt_len=4)
+    assert NgramDrafter().propose(short, 2) == [3, 9]
+    short.tokens += [7, 9]  # a departure after a run of 2 is not taken for a substitution
+    assert NgramDrafter().propose(short, 2) == []
+
+
 def test_prediction_starts_at_its_head_and_picks_up_after_an_edit() -> None:
     predicted = [10, 11, 12, 13, 14, 15, 16, 17]
     seq = Sequence([1, 2], prompt_len=2, prediction=predicted)
@@ -28,6 +53,10 @@ def test_prediction_starts_at_its_head_and_picks_up_after_an_edit() -> None:
     assert drafter.propose(seq, 3) == [14, 15, 16]
     seq.tokens += [14, 15, 16, 17]
     assert drafter.propose(seq, 3) == []  # the prediction is used up
+    fence = Sequence([1, 2], prompt_len=2, prediction=[20, 21, 22, 20])  # its first token comes again
+    assert PredictionDrafter().propose(fence, 2) == [20, 21]
+    fence.tokens += [20]
+    assert PredictionDrafter().propose(fence, 2) == [21, 22]  # followed from its head, not its last 20
 
 
 def test_tree_proposes_the_stored_continuation_of_this_context() -> None:

@@ -6,8 +6,13 @@ llama context: it reads tokens, so a wrong guess costs only the rows the step ve
 
 - `NgramDrafter` ("prompt lookup decoding"): the tokens that followed the latest earlier occurrence
   of the sequence's last n tokens (n from `max_n` down to `min_n`), in its own prompt and output;
-- `PredictionDrafter`: OpenAI's Predicted Outputs: the client's `prediction` text, followed where the
-  output copies it and picked up again by n-gram after the output departs from it;
+- `PredictionDrafter`: OpenAI's Predicted Outputs: the client's `prediction` text from its start,
+  picked up again by n-gram after the output departs from it.
+
+Both follow what they found as a copy (`_Copy`) until the output departs from it: an edit's answer
+copies its input with a few tokens changed, so a departure after a run of agreeing tokens is taken
+for a substitution (a renamed identifier), confirmed by the next token, and drafted wherever the
+source token comes again; the copy goes on past it instead of waiting for n-grams to match again.
 - `TreeDrafter`: what followed this very context in earlier requests of the same cache namespace,
   as the prefix cache's radix tree of KV pages stores it (an agent re-sending a step, a regenerated
   answer); another tenant's or salt's text is never drafted, as it is never attached.
@@ -32,7 +37,7 @@ class Sequence:
     prediction: list[int] = field(default_factory=list)
     namespace: str = ""  # whose earlier requests the prefix tree may draft from
     seq: int = -1  # the stream it runs in this step (a draft model drafts in its stream of that id)
-    indexes: dict[str, "_NgramIndex"] = field(default_factory=dict)
+    indexes: dict[str, "_Copier"] = field(default_factory=dict)
 
 
 class Drafter(Protocol):
@@ -56,17 +61,96 @@ class _NgramIndex:
                 self.after[tuple(tokens[end - n : end])] = end
         self.indexed = max(self.indexed, len(tokens))
 
-    def lookup(self, suffix: list[int]) -> int | None:
-        """Where the continuation of the longest indexed tail of `suffix` starts, if any."""
+    def lookup(self, suffix: list[int]) -> tuple[int, int] | None:
+        """Where the continuation of the longest indexed tail of `suffix` starts, and that tail's
+        length, if any."""
         for n in range(min(self.max_n, len(suffix)), self.min_n - 1, -1):
             at = self.after.get(tuple(suffix[len(suffix) - n :]))
             if at is not None:
-                return at
+                return at, n
         return None
 
 
+# A copy that has agreed this many tokens in a row takes a token that departs from it for a
+# substitution (a renamed identifier) and goes on after it, rather than losing its place.
+MIN_RUN = 4
+
+
+@dataclass(eq=False)
+class _Copy:
+    """An output that copies a source: `tokens[out:]` is expected to be `source[src:]`, each token
+    through the sequence's confirmed substitutions. A token that departs after `MIN_RUN` agreeing
+    ones is taken for a substitution of the source's token (`pending`), confirmed when the next one
+    agrees; any other departure loses the copy.
+
+    Invariant: `out` is where the tokens checked so far end; a copy of the sequence's own tokens has
+    `src < out`."""
+
+    source: list[int]
+    src: int
+    out: int
+    run: int
+    pending: tuple[int, int] | None = None  # the source's token and the output's, unconfirmed
+
+
+@dataclass(eq=False)
+class _Copier:
+    """One drafter's state for one sequence: an n-gram index of what may be copied, the copy the
+    output follows, and the substitutions it confirmed (source token -> output token)."""
+
+    index: _NgramIndex
+    copy: _Copy | None = None
+    subs: dict[int, int] = field(default_factory=dict)
+
+    def follow(self, tokens: list[int]) -> bool:
+        """Check the copy against the tokens that came since; False once it is lost."""
+        copy, subs = self.copy, self.subs
+        while copy is not None and copy.out < len(tokens):
+            if copy.src >= len(copy.source):
+                copy = None
+                break
+            source, got = copy.source[copy.src], tokens[copy.out]
+            if got == subs.get(source, source):
+                if copy.pending is not None:
+                    self._confirm(*copy.pending)
+                    copy.pending = None
+                copy.run += 1
+            elif copy.pending is None and copy.run >= MIN_RUN:
+                copy.pending, copy.run = (source, got), 0
+            else:
+                copy = None
+                break
+            copy.src += 1
+            copy.out += 1
+        self.copy = copy
+        return copy is not None
+
+    def _confirm(self, source: int, output: int) -> None:
+        if source == output:
+            self.subs.pop(source, None)
+        else:
+            self.subs[source] = output
+
+    def find(self, source: list[int], tail: list[int], out: int) -> bool:
+        """Start a copy where `tail` (the output's last tokens), or its tokens with the confirmed
+        substitutions undone, occurred last in `source`."""
+        found = self.index.lookup(tail)
+        if found is None and self.subs:
+            undo = {output: source_token for source_token, output in self.subs.items()}
+            found = self.index.lookup([undo.get(t, t) for t in tail])
+        if found is None:
+            return False
+        self.copy = _Copy(source, found[0], out, found[1])
+        return True
+
+    def draft(self, k: int) -> list[int]:
+        copy, subs = self.copy, self.subs
+        assert copy is not None
+        return [subs.get(t, t) for t in copy.source[copy.src : copy.src + k]]
+
+
 class NgramDrafter:
-    """Prompt lookup over the sequence's own tokens."""
+    """Prompt lookup over the sequence's own tokens, followed as a copy (`_Copy`)."""
 
     name = "ngram"
 
@@ -75,17 +159,18 @@ class NgramDrafter:
 
     def propose(self, sequence: Sequence, k: int) -> list[int]:
         tokens = sequence.tokens
-        index = sequence.indexes.get(self.name)
-        if index is None:
-            index = sequence.indexes[self.name] = _NgramIndex(self.min_n, self.max_n)
-        index.update(tokens)
-        at = index.lookup(tokens[-self.max_n :])
-        return [] if at is None or k <= 0 else tokens[at : at + k]
+        copier = sequence.indexes.get(self.name)
+        if copier is None:
+            copier = sequence.indexes[self.name] = _Copier(_NgramIndex(self.min_n, self.max_n))
+        copier.index.update(tokens)
+        if k <= 0 or not (copier.follow(tokens) or copier.find(tokens, tokens[-self.max_n :], len(tokens))):
+            return []
+        return copier.draft(k)
 
 
 class PredictionDrafter:
-    """The client's predicted output: its start while the output is empty, then the tokens after
-    the latest place in it that ends like the output does."""
+    """The client's predicted output, followed as a copy (`_Copy`) from its start, and picked up
+    again by n-gram after the output departs from it."""
 
     name = "prediction"
 
@@ -97,14 +182,15 @@ class PredictionDrafter:
         if not predicted or k <= 0:
             return []
         tokens, n_out = sequence.tokens, len(sequence.tokens) - sequence.prompt_len
-        if not n_out:
-            return predicted[:k]
-        index = sequence.indexes.get(self.name)
-        if index is None:
-            index = sequence.indexes[self.name] = _NgramIndex(self.min_n, self.max_n)
-            index.update(predicted + [-1])  # every gram of the prediction, its last one too
-        at = index.lookup(tokens[len(tokens) - min(n_out, self.max_n) :])  # the output's tail, uncopied
-        return [] if at is None else predicted[at : at + k]
+        copier = sequence.indexes.get(self.name)
+        if copier is None:
+            copier = sequence.indexes[self.name] = _Copier(_NgramIndex(self.min_n, self.max_n))
+            copier.index.update(predicted + [-1])  # every gram of the prediction, its last one too
+            copier.copy = _Copy(predicted, 0, sequence.prompt_len, MIN_RUN)  # the output starts as predicted
+        tail = tokens[len(tokens) - min(n_out, self.max_n) :]  # the output's tail, uncopied
+        if not (copier.follow(tokens) or (tail and copier.find(predicted, tail, len(tokens)))):
+            return []
+        return copier.draft(k)
 
 
 class TreeDrafter:
