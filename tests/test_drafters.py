@@ -262,3 +262,16 @@ def test_auto_drafts_an_ngram_only_after_watching_one_settle() -> None:
     assert speculator.choose([(state, 8)], n_other=0)[0][0] == []
     tokens += [4, 5, 6, 7, 8, 1, 2, 3]  # the whole watched proposal came true
     assert len(speculator.choose([(state, 8)], n_other=0)[0][0]) >= 4
+
+
+def test_auto_does_not_draft_ngrams_of_prose_that_repeats_a_word_at_a_time() -> None:
+    """Prose repeats a word or two of its prompt: watched n-grams that come true one token at a time
+    never reach `WATCH_RIGHT`, however well n-grams did for other sequences."""
+    speculator = _speculator(a=0.05, b=0.0005)
+    speculator.stats["ngram"].right, speculator.stats["ngram"].trials = 95, 100
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    state = SpecState(Sequence(tokens, 3, seq=0))
+    for word in range(20, 30):
+        assert speculator.choose([(state, 8)], n_other=0)[0][0] == []
+        tokens += [3, word, 1, 2]  # "1 2" -> 3 comes true, then the text goes its own way
+    assert 0 < state.evidence["ngram"][0] < 2

@@ -21,8 +21,9 @@ fixed. No draft token less likely than `MIN_GAIN` is drafted.
 Acceptance is measured per drafter and per sequence, on the drafts verified and, for free, on the
 proposals not drafted: such a proposal is watched (`SpecState.watch`) and compared with the output
 as it comes. So `auto` learns that prose repeats little without paying a step to find out, and
-drafts again where a sequence starts to repeat. A sequence drafts n-grams only once it has watched
-one settle (`WATCH_FIRST`): another request's text repeating says little of this one's.
+drafts again where a sequence starts to repeat. A sequence drafts n-grams only once its watched
+proposals came true for a run of tokens (`WATCH_FIRST`, `WATCH_RIGHT`): another request's text
+repeating says little of this one's, and prose repeats a word or two of its prompt.
 
 A draft model (`--draft-model`, `DraftModel`, mode `draft` only) drafts, in one batch, every
 sequence that has no `prediction` to draft from, to `--draft-max`. `auto` does not ask it: on 2 CPU
@@ -74,6 +75,9 @@ EVIDENCE_DECAY = 0.5
 # Drafters that guess from text alone: `auto` drafts their proposals for a sequence only once it has
 # watched one of them settle (a prediction is the client's word, a tree draft this very context's).
 WATCH_FIRST = frozenset({"ngram"})
+# ... and only while that evidence holds this many right tokens (faded): prose repeats a word or two
+# of its prompt, an edit's answer a run of lines.
+WATCH_RIGHT = 2.0
 
 @dataclass
 class DrafterStats:
@@ -101,10 +105,10 @@ class SpecState:
     def rate(self, drafter: str, global_rate: float) -> float:
         """Each draft token's chance, given the one before: this sequence's evidence, the drafter's
         rate over all sequences counting as one token of it, and a watched proposal's next token as
-        wrong until it comes true; 0 for a `WATCH_FIRST` drafter that this sequence has no evidence
-        of yet."""
+        wrong until it comes true; 0 for a `WATCH_FIRST` drafter until this sequence's evidence
+        of it holds `WATCH_RIGHT` right tokens."""
         right, trials = self.evidence.get(drafter, (0.0, 0.0))
-        if not trials and drafter in WATCH_FIRST:
+        if drafter in WATCH_FIRST and right < WATCH_RIGHT:
             return 0.0
         if self.watch is not None and self.watch[0] == drafter:
             trials += 1  # the watched proposal's next token: not yet known to come true
