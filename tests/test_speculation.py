@@ -37,6 +37,9 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived a dragon who loved to read books about",
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
 ]
+# Text that repeats a phrase and departs from it: `auto`, which drafts only runs it saw come true,
+# still has drafts rejected here.
+PHRASES = "The cat sat on the mat. The dog sat on the log. The bird sat on the"
 MAX_TOKENS = 20
 SMALL = dict(ctx_size=512, parallel=4, batch_size=256, threads=1)  # engines that load fast
 _ids = iter(range(10**9))
@@ -71,7 +74,7 @@ class _CheapTokens(UbatchCost):
 
 @pytest.mark.parametrize("mode, flash_attn", [("ngram", "off"), ("auto", "on")])
 def test_speculation_equals_off(smollm2, mode: str, flash_attn: str) -> None:
-    make = lambda m: [request(m, p) for p in PROMPTS]  # noqa: E731
+    make = lambda m: [request(m, p) for p in [*PROMPTS, PHRASES]]  # noqa: E731
     (off,), _ = served(smollm2, "off", flash_attn, make)
     (on,), stats = served(smollm2, mode, flash_attn, make)
     drafted, accepted = stats["ngram"]
