@@ -30,14 +30,14 @@ from kvserve.cache.prefix_key import PrefixKey
 @dataclass(eq=False)
 class Sequence:
     """What a drafter reads of one choice: its tokens (prompt then output) and the request's
-    predicted output, tokenized. Drafters keep their per-sequence indexes here."""
+    predicted output, tokenized. Drafters keep their per-sequence state here (`_Copier`)."""
 
     tokens: list[int]
     prompt_len: int
     prediction: list[int] = field(default_factory=list)
     namespace: str = ""  # whose earlier requests the prefix tree may draft from
     seq: int = -1  # the stream it runs in this step (a draft model drafts in its stream of that id)
-    indexes: dict[str, "_Copier"] = field(default_factory=dict)
+    copiers: dict[str, "_Copier"] = field(default_factory=dict)
 
 
 class Drafter(Protocol):
@@ -159,9 +159,9 @@ class NgramDrafter:
 
     def propose(self, sequence: Sequence, k: int) -> list[int]:
         tokens = sequence.tokens
-        copier = sequence.indexes.get(self.name)
+        copier = sequence.copiers.get(self.name)
         if copier is None:
-            copier = sequence.indexes[self.name] = _Copier(_NgramIndex(self.min_n, self.max_n))
+            copier = sequence.copiers[self.name] = _Copier(_NgramIndex(self.min_n, self.max_n))
         copier.index.update(tokens)
         if k <= 0 or not (copier.follow(tokens) or copier.find(tokens, tokens[-self.max_n :], len(tokens))):
             return []
@@ -182,9 +182,9 @@ class PredictionDrafter:
         if not predicted or k <= 0:
             return []
         tokens, n_out = sequence.tokens, len(sequence.tokens) - sequence.prompt_len
-        copier = sequence.indexes.get(self.name)
+        copier = sequence.copiers.get(self.name)
         if copier is None:
-            copier = sequence.indexes[self.name] = _Copier(_NgramIndex(self.min_n, self.max_n))
+            copier = sequence.copiers[self.name] = _Copier(_NgramIndex(self.min_n, self.max_n))
             copier.index.update(predicted + [-1])  # every gram of the prediction, its last one too
             copier.copy = _Copy(predicted, 0, sequence.prompt_len, MIN_RUN)  # the output starts as predicted
         tail = tokens[len(tokens) - min(n_out, self.max_n) :]  # the output's tail, uncopied

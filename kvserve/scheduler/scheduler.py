@@ -38,6 +38,7 @@ from kvserve.scheduler.snapshot import EngineSnapshot
 from kvserve.scheduler.speculation import SpecConfig, Speculator
 from kvserve.scheduler.drafters import TreeDrafter
 from kvserve.scheduler.step_output import StepOutputs
+from kvserve.scheduler.ubatch_cost import attended_keys
 
 _log = logging.getLogger("kvserve.scheduler")
 
@@ -198,7 +199,7 @@ class Scheduler:
             self.pool.ctx.decode(self._batch)
             if all(s.n_tokens == 1 for s in slots):  # decodes and drafts only: what drafts are priced against
                 ubatches = ubatch_sizes([(s.choice.session.seq, s.n_decoded) for s in slots], self.pool.ctx.n_ubatch)
-                keys = sum(s.n_decoded * (s.choice.session.n_past + s.n_decoded) for s in slots)
+                keys = sum(attended_keys(s.choice.session.n_past, s.n_decoded) for s in slots)
                 self.speculator.cost.observe(ubatches, time.perf_counter() - started, keys)
         except NoKvSlot:
             self.planner.shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry

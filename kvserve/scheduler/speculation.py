@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import Drafter, NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
-from kvserve.scheduler.ubatch_cost import UbatchCost
+from kvserve.scheduler.ubatch_cost import UbatchCost, attended_keys
 
 if TYPE_CHECKING:
     from kvserve.scheduler.draft_model import DraftModel
@@ -171,8 +171,8 @@ class Speculator:
         if self.config.mode is not SpecMode.AUTO:
             return [(draft, name) for draft, name, _ in proposals]  # a fixed drafter drafts all it can
         seqs = [state.sequence.seq for state, _ in candidates]
-        contexts = [len(state.sequence.tokens) for state, _ in candidates]
-        keep = self._best_lengths(seqs, contexts, proposals, n_other)
+        n_past = [len(state.sequence.tokens) - 1 for state, _ in candidates]  # the last token is decoded now
+        keep = self._best_lengths(seqs, n_past, proposals, n_other)
         for (state, _), (draft, name, _), n in zip(candidates, proposals, keep):
             if n:
                 state.watch = None
@@ -180,7 +180,7 @@ class Speculator:
                 state.watch = (name, draft, len(state.sequence.tokens), 0)
         return [(draft[:n], name) for (draft, name, _), n in zip(proposals, keep)]
 
-    def _best_lengths(self, seqs: list[int], contexts: list[int], proposals: list[tuple[list[int], str, float]],
+    def _best_lengths(self, seqs: list[int], n_past: list[int], proposals: list[tuple[list[int], str, float]],
                       n_other: int) -> list[int]:
         """How much of each proposal to draft: the best equal length for all (equal drafts on
         adjacent streams share ubatches), then each sequence's best length with the others fixed,
@@ -192,7 +192,7 @@ class Speculator:
             return caps
 
         def goodput(drafts: list[int]) -> float:
-            return _expected(rates, drafts, len(seqs)) / self._seconds(seqs, contexts, drafts, n_other)
+            return _expected(rates, drafts, len(seqs)) / self._seconds(seqs, n_past, drafts, n_other)
 
         lengths = sorted({n for cap in caps for n in _LENGTHS if n < cap} | set(caps) | {0})
         keep = max(([min(n, cap) for cap in caps] for n in lengths), key=goodput)
@@ -202,13 +202,13 @@ class Speculator:
                 keep = max(trials, key=goodput)
         return keep
 
-    def _seconds(self, seqs: list[int], contexts: list[int], drafts: list[int], n_other: int) -> float:
-        """What a step costs that decodes `seqs`, each with its draft after `contexts` tokens, and
-        `n_other` prompt tokens (in ubatches of their own; their keys are the same whatever the
-        drafts, and left out)."""
+    def _seconds(self, seqs: list[int], n_past: list[int], drafts: list[int], n_other: int) -> float:
+        """What a step costs that decodes `seqs`, each its last token and its draft after `n_past`
+        evaluated tokens, and `n_other` prompt tokens (in ubatches of their own; their keys are the
+        same whatever the drafts, and left out)."""
         sizes = ubatch_sizes([(seq, 1 + k) for seq, k in zip(seqs, drafts)], self.n_ubatch)
         full, rest = divmod(n_other, self.n_ubatch)
-        keys = sum((1 + k) * (n + k) for n, k in zip(contexts, drafts))
+        keys = sum(attended_keys(n, 1 + k) for n, k in zip(n_past, drafts))
         return self.cost.step(sizes + [self.n_ubatch] * full + ([rest] if rest else []), keys)
 
     def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[tuple[list[int], str, float]]) -> None:

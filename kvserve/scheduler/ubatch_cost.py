@@ -23,6 +23,12 @@ import bisect
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
+def attended_keys(n_past: int, n_decoded: int) -> int:
+    """The keys that `n_decoded` tokens decoded after `n_past` in one sequence attend to, each
+    counted as reading them all: what a step's `keys` sums over its sequences."""
+    return n_decoded * (n_past + n_decoded)
+
+
 class UbatchCost:
     def __init__(self, seconds: dict[int, float] | None = None, weight: float = 0.05) -> None:
         # before any timing: a guess of a small model's step, a read of the weights and a share per token
