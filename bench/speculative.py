@@ -22,7 +22,8 @@ Workloads, greedy, 64 tokens:
   and 8 users only on kvserve off and auto (the 8-user target's pair), elsewhere at 1 user.
 Every request but regenerate's starts with its own tag, so none finds an earlier answer in the tree.
 At 1 user, 3 requests one after another; at 4 and 8 users, one round of that many requests at once.
-A cell's rate is the median over its requests. The full run is about 20 minutes on 2 quiet cores;
+kvserve off and auto, whose ratios the targets are, run at once and take turns (`measure_paired`),
+twice, started in either order (`serve`): 6 requests each at 1 user, 2 rounds each above. A cell's rate is the median over its requests. The full run is about 20 minutes on 2 quiet cores;
 `--quick` runs one user only (about 7 minutes), `--cells` picks cells by glob over
 `server/workload/users`; either writes speculative-partial.* instead of the full run's results.
 
@@ -32,6 +33,7 @@ python -m bench speculative [--quick] [--cells 'kvserve-*/edit/1' 'llama-server-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import json
 import statistics
@@ -53,6 +55,10 @@ ONE_USER_REQUESTS = 3
 MAX_TOKENS = 64
 THREADS = 2
 CTX = 4096  # per sequence
+# The pair that the targets compare, served at once and measured in turns (`measure_paired`), with
+# this many rounds at 1 user (a request each) and at 4 and 8 users (that many requests at once each).
+PAIRED = ("kvserve-off", "kvserve-auto")
+PAIRED_ROUNDS = (3, 1)  # in each of the two orders the pair is started in (`serve`)
 
 CODE = '''def summarize(values):
     total = 0
@@ -118,6 +124,14 @@ def servers(target: Path, draft: Path | None) -> list[Server]:
     return runs
 
 
+def groups(runs: list[Server]) -> list[list[Server]]:
+    """The servers in order, one at a time but the `PAIRED` two, served at once in the first's place."""
+    paired = [s for s in runs if s.name in PAIRED]
+    if len(paired) != len(PAIRED):
+        paired = []
+    return [paired if s is paired[0] else [s] for s in runs if s not in paired[1:]] if paired else [[s] for s in runs]
+
+
 def start(server: Server, argv: tuple[str, ...], model: Path, log: Path) -> ServerProcess:
     port = free_port()
     if server.kvserve:
@@ -160,21 +174,58 @@ def decode_rate(results) -> float:
 _tags = iter(range(10**6))
 
 
-async def measure(url: str, workload: str, users: int) -> dict:
-    messages, extra = workloads()[workload]
-    fresh = workload != "regenerate"  # each request tagged apart, so none finds another's answer in the tree
+def _next_tags(n: int) -> list[int]:
+    return [next(_tags) for _ in range(n)]
 
-    def one():
-        return stream_chat(client, url, tagged(messages, f"r{next(_tags)}") if fresh else messages, MAX_TOKENS, extra)
+
+async def measure(url: str, workload: str, users: int) -> list:
+    async with _client() as client:
+        await _prime(client, url, workload)
+        return await _round(client, url, workload, _next_tags(ONE_USER_REQUESTS if users == 1 else users), users)
+
+
+def _client() -> httpx.AsyncClient:
     # a fresh connection per request: llama-server closes idle keep-alive connections
-    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        if not fresh:
-            await one()  # the answer the regenerated requests find in the prefix tree
-        jobs = [one for _ in range(ONE_USER_REQUESTS if users == 1 else users)]
-        results = await gather_limited(jobs, users)
+    return httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))
+
+
+async def _prime(client: httpx.AsyncClient, url: str, workload: str) -> None:
+    """For regenerate, the answer that the regenerated requests find in the prefix tree."""
+    if workload == "regenerate":
+        messages, extra = workloads()[workload]
+        await stream_chat(client, url, messages, MAX_TOKENS, extra)
+
+
+async def _round(client: httpx.AsyncClient, url: str, workload: str, tags: list[int], users: int) -> list:
+    """A request per tag, `users` at a time; each but regenerate's tagged apart, so none finds
+    another's answer in the tree."""
+    messages, extra = workloads()[workload]
+
+    def one(tag: int):
+        return lambda: stream_chat(client, url, messages if workload == "regenerate" else tagged(messages, f"r{tag}"),
+                                   MAX_TOKENS, extra)
+    return await gather_limited([one(tag) for tag in tags], users)
+
+
+def summary(results: list) -> dict:
     errors = [r.error for r in results if r.error]
     return {"decode_tps": decode_rate(results), "tokens": statistics.mean(r.output_tokens for r in results),
-            "ttft": statistics.median(r.ttft for r in results), "errors": errors[:1]}
+            "ttft": statistics.median(r.ttft for r in results), "requests": len(results), "errors": errors[:1]}
+
+
+async def measure_paired(urls: list[str], workload: str, users: int) -> list[list]:
+    """The cell on each of `urls` at once: round after round (one request at 1 user, `users` requests
+    at once above), the servers taking turns in alternating order (ABBA), so that drift in the box's
+    speed falls on each alike."""
+    found: list[list] = [[] for _ in urls]
+    async with _client() as client:
+        for url in urls:
+            await _prime(client, url, workload)
+        for i in range(PAIRED_ROUNDS[users != 1]):
+            tags = _next_tags(users)  # the same prompts on each server: an answer's text changes what drafts
+            for k in (range(len(urls)) if i % 2 == 0 else reversed(range(len(urls)))):
+                found[k] += await _round(client, urls[k], workload, tags, users)
+    return found
 
 
 @dataclass
@@ -195,24 +246,46 @@ class Run:
         print(json.dumps(row), flush=True)
 
 
-def serve(run: Run, server: Server, model: Path, users_levels: tuple[int, ...]) -> None:
-    cells = run.cells(server, users_levels)
+def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int, ...]) -> None:
+    """Each of `servers` (one, or the paired two, whose cells are the same) on its cells. The pair is
+    served twice, started in one order and then the other: of two servers sharing this box, the one
+    started first decoded 10% slower whichever its mode (3 December 2026)."""
+    cells = [c for c in Run(None).cells(servers[0], users_levels) if any(run.wanted(s.name, *c) for s in servers)]
     if not cells:
         return
-    log = RESULTS / f"speculative-{server.name}.log"
-    process, why = started(server, model, log)
-    if process is None:
-        run.add({"server": server.name, "workload": "-", "users": 0, "decode_tps": 0.0, "skipped": why})
-        return
-    with process:
-        asyncio.run(_warm(process.url))
-        for workload, users in cells:
-            run.add({"server": server.name, "workload": workload, "users": users,
-                     **({"note": why} if why else {}), **asyncio.run(measure(process.url, workload, users))})
-        if server.kvserve:  # what kvserve measured each ubatch size to cost (seconds by tokens)
-            info = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
+    found: dict[str, dict[tuple[str, int], list]] = {s.name: {c: [] for c in cells} for s in servers}
+    notes: dict[str, dict] = {}
+    info: dict[str, dict] = {}
+    for order in ([servers] if len(servers) == 1 else [servers, servers[::-1]]):
+        with contextlib.ExitStack() as stack:
+            up = []
+            for server in order:
+                process, why = started(server, model, RESULTS / f"speculative-{server.name}.log")
+                if process is not None:
+                    up.append((server, stack.enter_context(process)))
+                notes[server.name] = {"skipped": why} if process is None else {"note": why} if why else {}
+            for _, process in up:
+                asyncio.run(_warm(process.url))
+            for workload, users in cells:
+                if len(up) == 1:
+                    results = [asyncio.run(measure(up[0][1].url, workload, users))]
+                else:
+                    results = asyncio.run(measure_paired([p.url for _, p in up], workload, users))
+                for (server, _), got in zip(up, results):
+                    found[server.name][workload, users] += got
+            for server, process in up:  # what kvserve measured each ubatch size to cost (seconds by tokens)
+                if server.kvserve:
+                    info[server.name] = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
+    for server in servers:
+        if "skipped" in notes[server.name]:
+            run.add({"server": server.name, "workload": "-", "users": 0, "decode_tps": 0.0, **notes[server.name]})
+            continue
+        for (workload, users), results in found[server.name].items():
+            run.add({"server": server.name, "workload": workload, "users": users, **notes[server.name],
+                     **summary(results)})
+        if server.name in info:
             run.add({"server": server.name, "workload": "server_info", "users": 0, "decode_tps": 0.0,
-                     "speculative": info})
+                     "speculative": info[server.name]})
 
 
 async def _warm(url: str) -> None:
@@ -231,8 +304,8 @@ def main(quick: bool = False, cells: list[str] | None = None) -> str:
     users_levels = (1,) if quick else USERS
     run = Run(cells)
     began = time.monotonic()
-    for server in servers(target, draft):
-        serve(run, server, target, users_levels)
+    for group in groups(servers(target, draft)):
+        serve(run, group, target, users_levels)
     name = "speculative" if not quick and not cells else "speculative-partial"  # only a full run replaces the README's
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(

@@ -367,3 +367,25 @@ def test_speculative_cells_filter_by_glob_and_draft_cells_need_the_draft_model(t
     assert ("free", 8) in everything.cells(with_draft["kvserve-ngram"], speculative.USERS)
     assert everything.cells(with_draft["kvserve-ngram"], (1,)) == [(w, 1) for w in speculative.KVSERVE_WORKLOADS]
     assert run.cells(with_draft["kvserve-ngram"], speculative.USERS) == [("edit", 1)]
+
+
+def test_speculative_pair_is_served_at_once_in_turns_on_the_same_prompts(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import speculative
+
+    groups = [[s.name for s in g] for g in speculative.groups(speculative.servers(tmp_path / "t", tmp_path / "d"))]
+    assert groups[0] == list(speculative.PAIRED) and all(len(g) == 1 for g in groups[1:])
+    assert sorted(sum(groups, [])) == sorted(s.name for s in speculative.servers(tmp_path / "t", tmp_path / "d"))
+    calls = []
+
+    async def fake_round(client, url, workload, tags, users):
+        calls.append((url, tuple(tags)))
+        return [url] * len(tags)
+    monkeypatch.setattr(speculative, "_round", fake_round)
+    found = asyncio.run(speculative.measure_paired(["a", "b"], "free", 1))
+    assert [url for url, _ in calls] == ["a", "b", "b", "a", "a", "b"][:2 * speculative.PAIRED_ROUNDS[0]]
+    assert all(calls[i][1] == calls[i + 1][1] and len(calls[i][1]) == 1 for i in range(0, len(calls), 2))
+    assert found == [["a"] * speculative.PAIRED_ROUNDS[0], ["b"] * speculative.PAIRED_ROUNDS[0]]
+    calls.clear()
+    asyncio.run(speculative.measure_paired(["a", "b"], "edit", 8))
+    assert [len(tags) for _, tags in calls] == [8, 8] * speculative.PAIRED_ROUNDS[1]
