@@ -17,7 +17,10 @@ Workloads, greedy, 64 tokens:
 - edit: a code edit whose answer repeats most of the input (rename a variable in a function);
 - edit+prediction: the same edit with OpenAI's `prediction` set to the edited code (kvserve only; no
   llama.cpp server honours the field);
-- free: a free-form question, whose answer repeats little;
+- free: a free-form question, whose answer repeats little, asked again with each request (as a
+  service's users ask the same thing in their own contexts; llama-server's n-gram pool and kvserve's
+  recent answers draft the earlier answer);
+- novel: a free-form question that no request asked before (a topic of `TOPICS` each);
 - regenerate: the free-form question asked again (the prefix tree holds the earlier answer); at 4
   and 8 users only on kvserve off and auto (the 8-user target's pair), elsewhere at 1 user.
 Every request but regenerate's starts with its own tag, so none finds an earlier answer in the tree.
@@ -76,13 +79,31 @@ CODE = '''def summarize(values):
 EDIT = [{"role": "user", "content": "Rename the variable `count` to `n` in this Python function. "
                                     "Reply with the whole function only, in a code block.\n\n```python\n" + CODE + "```"}]
 FREE = [{"role": "user", "content": "Explain in a few paragraphs why the sky is blue and why sunsets are red."}]
-KVSERVE_WORKLOADS = ("edit", "edit+prediction", "free", "regenerate")
-LLAMA_WORKLOADS = ("edit", "free", "regenerate")
+# Topics of `novel` questions, one per request (by its tag): no server is asked one twice in a run
+# (a server's requests span fewer tags than there are topics).
+TOPICS = """a refrigerator|a rainbow|tides|a compass|vaccines|a bicycle's gears|volcanoes|photosynthesis|a jet engine|
+the stock market|a piano|earthquakes|a microwave oven|bread rising|a lighthouse|glaciers|a camera lens|coral reefs|
+a hydroelectric dam|the human heart|a telescope|lightning|a vaccine trial|soap|an elevator|a solar panel|bees making honey|
+a submarine|the immune system|a thermostat|a sailboat tacking|cheese making|a nuclear reactor|the water cycle|a violin|
+a hot air balloon|the seasons|a credit card|an electric guitar|wind turbines|a printing press|a suspension bridge|
+a barcode scanner|the moon's phases|a pressure cooker|ant colonies|a fountain pen|a hurricane|a helicopter|coffee roasting|
+a lock and key|tree rings|an hourglass|fireworks|a steam locomotive|a smoke detector|bird migration|a canal lock|
+a hearing aid|yeast|a mechanical watch|sand dunes|a zipper|a quartz clock|a windmill|the northern lights|a loom|
+a parachute|a dishwasher|a chess clock|a geyser|an espresso machine|a kite|a beehive's temperature|a sundial|
+a sewing machine|a lava lamp|a catapult|a gyroscope|a bell""".replace("\n", "").split("|")
+KVSERVE_WORKLOADS = ("edit", "edit+prediction", "free", "novel", "regenerate")
+LLAMA_WORKLOADS = ("edit", "free", "novel", "regenerate")
+
+
+def novel(tag: int) -> list[dict]:
+    """A free-form question this run asks only once per server."""
+    return [{"role": "user", "content": f"Explain in a few paragraphs how {TOPICS[tag % len(TOPICS)]} works."}]
 
 
 def workloads() -> dict[str, tuple[list[dict], dict]]:
     prediction = {"prediction": {"type": "content", "content": "```python\n" + CODE.replace("count", "n") + "```"}}
-    return {"edit": (EDIT, {}), "edit+prediction": (EDIT, prediction), "free": (FREE, {}), "regenerate": (FREE, {})}
+    return {"edit": (EDIT, {}), "edit+prediction": (EDIT, prediction), "free": (FREE, {}), "novel": (novel(0), {}),
+            "regenerate": (FREE, {})}
 
 
 @dataclass(frozen=True)
@@ -202,7 +223,8 @@ async def _round(client: httpx.AsyncClient, url: str, workload: str, tags: list[
     messages, extra = workloads()[workload]
 
     def one(tag: int):
-        return lambda: stream_chat(client, url, messages if workload == "regenerate" else tagged(messages, f"r{tag}"),
+        asked = novel(tag) if workload == "novel" else messages
+        return lambda: stream_chat(client, url, asked if workload == "regenerate" else tagged(asked, f"r{tag}"),
                                    MAX_TOKENS, extra)
     return await gather_limited([one(tag) for tag in tags], users)
 
@@ -335,6 +357,7 @@ def targets(rows: list[dict]) -> list[tuple[str, float | None, float]]:
         ("edit+prediction, 1 user: auto / off", ratio(rate(rows, "kvserve-auto", "edit+prediction", 1),
                                                       off["edit+prediction"]), 2.5),
         ("free, 1 user: auto / off", ratio(rate(rows, "kvserve-auto", "free", 1), off["free"]), 1.0),
+        ("novel, 1 user: auto / off", ratio(rate(rows, "kvserve-auto", "novel", 1), off["novel"]), 1.0),
     ]
     for workload in KVSERVE_WORKLOADS:
         found.append((f"{workload}, 8 users: auto / off", ratio(rate(rows, "kvserve-auto", workload, 8),

@@ -389,3 +389,10 @@ def test_speculative_pair_is_served_at_once_in_turns_on_the_same_prompts(tmp_pat
     calls.clear()
     asyncio.run(speculative.measure_paired(["a", "b"], "edit", 8))
     assert [len(tags) for _, tags in calls] == [8, 8] * speculative.PAIRED_ROUNDS[1]
+
+
+def test_novel_questions_are_distinct_across_a_servers_tags() -> None:
+    from bench import speculative
+
+    asked = {speculative.novel(tag)[0]["content"] for tag in range(1000, 1000 + len(speculative.TOPICS))}
+    assert len(asked) == len(speculative.TOPICS) >= 5 * sum(speculative.USERS) // 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvserve.cache.page_tree import PageTree
 from kvserve.llama.batch import ubatch_sizes
-from kvserve.scheduler.drafters import NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
+from kvserve.scheduler.drafters import END, NgramDrafter, PredictionDrafter, RecentDrafter, Sequence, TreeDrafter
 from kvserve.scheduler.speculation import SpecConfig, SpecMode, SpecState, Speculator
 from kvserve.scheduler.ubatch_cost import UbatchCost
 
@@ -275,3 +275,44 @@ def test_auto_does_not_draft_ngrams_of_prose_that_repeats_a_word_at_a_time() -> 
         assert speculator.choose([(state, 8)], n_other=0)[0][0] == []
         tokens += [3, word, 1, 2]  # "1 2" -> 3 comes true, then the text goes its own way
     assert 0 < state.evidence["ngram"][0] < 2
+
+
+def test_recent_drafts_an_earlier_answer_of_the_same_namespace_only() -> None:
+    recent = RecentDrafter(min_n=3, max_n=4)
+    question = [100, 101, 102, 103, 104]
+    answer = [7, 8, 9, 10, 11, 12]
+    recent.add("tenant-a", [1, 2, *question, *answer], prompt_len=7)
+    asked_again = [5, 6, *question]  # the same question after another context
+    assert recent.propose(Sequence(list(asked_again), 7, namespace="tenant-a"), 4) == [7, 8, 9, 10]
+    assert recent.propose(Sequence(list(asked_again), 7, namespace="tenant-b"), 4) == []  # never another's
+    seq = Sequence([*asked_again, 7, 8, 9], 7, namespace="tenant-a")
+    assert recent.propose(seq, 8) == [10, 11, 12]  # followed as a copy, and never past the answer's end
+    assert END not in recent.pools["tenant-a"].tokens[:-1] and recent.pools["tenant-a"].tokens[-1] == END
+
+
+def test_recent_keeps_its_pools_within_their_bounds() -> None:
+    recent = RecentDrafter(min_n=3, max_n=4, max_tokens=64, max_namespaces=2)
+    for i in range(40):
+        recent.add("a", [0, 1, 2, 3, *range(1000 + 10 * i, 1000 + 10 * i + 9)], prompt_len=4)
+    pool = recent.pools["a"]
+    assert len(pool.tokens) <= 64 and pool.tokens[-1] == END and len(pool.index.after) <= 2 * 64
+    later = Sequence([9, 0, 1, 2, 3], 5, namespace="a")
+    assert recent.propose(later, 3) == [1390, 1391, 1392]  # the newest answer after the same lead-in
+    for namespace in ("b", "c"):
+        recent.add(namespace, [0, 1, 2, 3, 4, 5], prompt_len=4)
+    assert list(recent.pools) == ["b", "c"]  # the least recently fed pool went first
+
+
+def test_auto_asks_every_drafter_and_drafts_the_likeliest() -> None:
+    speculator = _speculator(a=0.05, b=0.0005)
+    speculator.finished(SpecState(Sequence([40, 41, 1, 2, 3, 50, 51, 52, 53], 5)))
+    state, limit = _states(1)[0]  # its own text repeats: ngram guesses 4 5 6 ..., recent 50 51 ...
+    state.evidence["recent"] = (0.0, 4.0)  # recent's guesses were wrong here
+    assert speculator.choose([(state, limit)], n_other=0)[0][1] == "ngram"
+    state.evidence["recent"], state.evidence["ngram"] = (8.0, 8.0), (1.0, 4.0)
+    assert speculator.choose([(state, limit)], n_other=0)[0] == ([50, 51, 52, 53], "recent")
+    fresh, _ = _states(1)[0]
+    fresh.evidence.clear()  # nothing trusted yet: the least watched is watched, not drafted
+    fresh.evidence["ngram"] = (0.0, 2.0)
+    assert speculator.choose([(fresh, limit)], n_other=0)[0] == ([], "recent")
+    assert fresh.watch is not None and fresh.watch[0] == "recent"

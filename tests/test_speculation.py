@@ -93,6 +93,20 @@ def test_tree_drafts_what_followed_this_context_before(smollm2) -> None:
         assert_like_alone(off[0], result[0], SMOLLM2_TOLERANCE)
 
 
+def test_recent_drafts_an_earlier_answer_to_the_same_question_in_another_context(smollm2) -> None:
+    """The same code after another preamble: the page tree has nothing after this context, the
+    namespace's recent answers have the first round's answer, and `auto` drafts it once watched."""
+    preambles = iter(["Note: ", "Remark: "] * 2)
+    make = lambda m: [request(m, next(preambles) + PROMPTS[1], max_tokens=24)]  # noqa: E731
+    (first, second), _ = served(smollm2, "off", "off", make, rounds=2)
+    rounds, stats = served(smollm2, "auto", "off", make, rounds=2)
+    shared = [t.token for t in first[0]] == [t.token for t in second[0]]
+    assert shared, "the two rounds must give the same answer for this test (SmolLM2, greedy: 25 tokens alike)"
+    assert stats["recent"][1] >= 8 and stats["tree"][0] == 0, stats
+    for alone, result in zip((first, second), rounds):
+        assert_like_alone(alone[0], result[0], SMOLLM2_TOLERANCE)
+
+
 def test_prediction_drafts_and_is_counted(smollm2) -> None:
     """OpenAI's Predicted Outputs: the predicted text drafts, and usage counts accepted and rejected tokens."""
     with engine(smollm2, speculative="ngram", flash_attn="off", **SMALL) as e:
@@ -346,7 +360,7 @@ def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:
 
     with serve(smollm2, speculative="auto", **SMALL) as url:
         info = httpx.get(f"{url}/server_info").json()["speculative"]
-        assert info["enabled"] and info["drafters"] == ["prediction", "tree", "ngram"]
+        assert info["enabled"] and info["drafters"] == ["prediction", "tree", "recent", "ngram"]
         body = {"messages": [{"role": "user", "content": "Say: the quick brown fox jumps over the lazy dog"}],
                 "max_tokens": 16, "temperature": 0}
         plain = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()

@@ -16,10 +16,13 @@ source token comes again; the copy goes on past it instead of waiting for n-gram
 - `TreeDrafter`: what followed this very context in earlier requests of the same cache namespace,
   as the prefix cache's radix tree of KV pages stores it (an agent re-sending a step, a regenerated
   answer); another tenant's or salt's text is never drafted, as it is never attached.
+- `RecentDrafter`: n-grams of recent answers in the same cache namespace, followed as a copy: the
+  same question asked in another context, a template filled in again.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,6 +74,9 @@ class _NgramIndex:
         return None
 
 
+# Ends each entry of a `RecentDrafter` pool: no token, so no gram with it matches an output.
+END = -1
+
 # A copy that has agreed this many tokens in a row takes a token that departs from it for a
 # substitution (a renamed identifier) and goes on after it, rather than losing its place.
 MIN_RUN = 4
@@ -106,7 +112,7 @@ class _Copier:
         """Check the copy against the tokens that came since; False once it is lost."""
         copy, subs = self.copy, self.subs
         while copy is not None and copy.out < len(tokens):
-            if copy.src >= len(copy.source):
+            if copy.src >= len(copy.source) or copy.source[copy.src] < 0:  # the source's end, or an entry's
                 copy = None
                 break
             source, got = copy.source[copy.src], tokens[copy.out]
@@ -146,7 +152,10 @@ class _Copier:
     def draft(self, k: int) -> list[int]:
         copy, subs = self.copy, self.subs
         assert copy is not None
-        return [subs.get(t, t) for t in copy.source[copy.src : copy.src + k]]
+        draft = copy.source[copy.src : copy.src + k]
+        if END in draft:  # a pool's entries end in END: no draft runs past one
+            draft = draft[: draft.index(END)]
+        return [subs.get(t, t) for t in draft]
 
 
 class NgramDrafter:
@@ -204,3 +213,63 @@ class TreeDrafter:
 
     def propose(self, sequence: Sequence, k: int) -> list[int]:
         return self.tree.continuation(PrefixKey(sequence.namespace, sequence.tokens), k) if k > 0 else []
+
+
+class RecentDrafter:
+    """N-grams of recent answers, each namespace's apart, followed as a copy (`_Copy`): where an
+    output's last tokens occurred in an earlier answer, what came after them there.
+
+    Invariants: a sequence drafts only from its own namespace's pool (another tenant's or salt's
+    text is never drafted); a pool holds at most `max_tokens` tokens (the older half dropped when
+    full), and at most `max_namespaces` pools are kept (the least recently added to dropped)."""
+
+    name = "recent"
+
+    def __init__(self, min_n: int = 3, max_n: int = 4, max_tokens: int = 8192, max_namespaces: int = 16) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.max_tokens, self.max_namespaces = max_tokens, max_namespaces
+        self.pools: OrderedDict[str, _NgramPool] = OrderedDict()
+
+    def add(self, namespace: str, tokens: list[int], prompt_len: int) -> None:
+        """A finished sequence's answer, after the prompt's last tokens that lead into it."""
+        answer = tokens[max(0, prompt_len - self.max_n) :]
+        if len(answer) - min(prompt_len, self.max_n) <= 0:
+            return
+        pool = self.pools.pop(namespace, None) or _NgramPool(self.min_n, self.max_n)
+        self.pools[namespace] = pool
+        pool.add(answer[-self.max_tokens // 2 :], self.max_tokens)
+        while len(self.pools) > self.max_namespaces:
+            self.pools.popitem(last=False)
+
+    def propose(self, sequence: Sequence, k: int) -> list[int]:
+        pool = self.pools.get(sequence.namespace)
+        if pool is None or k <= 0:
+            return []
+        copier = sequence.copiers.get(self.name)
+        if copier is None or copier.index is not pool.index:  # new, or the pool dropped its older half
+            copier = sequence.copiers[self.name] = _Copier(pool.index)
+        tokens = sequence.tokens
+        if not (copier.follow(tokens) or copier.find(pool.tokens, tokens[-self.max_n :], len(tokens))):
+            return []
+        return copier.draft(k)
+
+
+@dataclass(eq=False)
+class _NgramPool:
+    """Answers one after another, each ended by `END`, and the index of their n-grams."""
+
+    min_n: int
+    max_n: int
+    tokens: list[int] = field(default_factory=list)
+    index: _NgramIndex = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = _NgramIndex(self.min_n, self.max_n)
+
+    def add(self, answer: list[int], max_tokens: int) -> None:
+        if len(self.tokens) + len(answer) + 1 > max_tokens:
+            self.tokens = self.tokens[len(self.tokens) // 2 :]
+            self.tokens = self.tokens[self.tokens.index(END) + 1 :] if END in self.tokens else []
+            self.index = _NgramIndex(self.min_n, self.max_n)
+        self.tokens.extend([*answer, END])
+        self.index.update(self.tokens)

@@ -8,15 +8,17 @@ failed) and it leaves the running list or the waiting queue.
 from __future__ import annotations
 
 from kvserve.scheduler.kv_manager import KvManager
+from kvserve.scheduler.speculation import Speculator
 from kvserve.scheduler.queues import Queues
 from kvserve.scheduler.request import FinishReason, Request
 from kvserve.scheduler.step_output import StepOutputs
 
 
 class Ending:
-    def __init__(self, kv: KvManager, queues: Queues) -> None:
+    def __init__(self, kv: KvManager, queues: Queues, speculator: Speculator | None = None) -> None:
         self.kv = kv
         self.queues = queues
+        self.speculator = speculator  # told of each choice that ends well (its answer may be drafted again)
 
     def end(self, request: Request, reason: FinishReason | None, outputs: StepOutputs,
             error: str | None = None, status: int = 500) -> None:
@@ -25,6 +27,8 @@ class Ending:
             if choice.finish_reason is None:
                 choice.end(reason)
                 outputs.delta(request, choice).finish_reason = reason
+            if self.speculator is not None and choice.spec is not None and reason is not FinishReason.ERROR:
+                self.speculator.finished(choice.spec)
         self.kv.release(request, donate=reason is not FinishReason.ERROR)
         self.queues.remove(request)
         outputs.end(request, error, status)

@@ -68,11 +68,11 @@ class Scheduler:
         self.queues = Queues()
         self.times = StepTimes()
         self.kv = KvManager(pool, cache, draft)
-        self.ending = Ending(self.kv, self.queues)
-        self.admission = Admission(self.kv, self.ending, config, self.queues)
         tree = getattr(cache, "tree", None)
         self.speculator = Speculator(spec or SpecConfig(), TreeDrafter(tree) if tree is not None else None,
                                      self.kv.cuts_rows, draft, pool.ctx.n_ubatch)
+        self.ending = Ending(self.kv, self.queues, self.speculator)
+        self.admission = Admission(self.kv, self.ending, config, self.queues)
         self.planner = BatchPlanner(self.kv, self.ending, config, self.queues, self.speculator)
         self.sampling = Sampling(pool.ctx, config.max_seq_len)
         self._inbox: deque[Request] = deque()

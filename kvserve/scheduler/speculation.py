@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.batch import ubatch_sizes
-from kvserve.scheduler.drafters import Drafter, NgramDrafter, PredictionDrafter, Sequence, TreeDrafter
+from kvserve.scheduler.drafters import Drafter, NgramDrafter, PredictionDrafter, RecentDrafter, Sequence, TreeDrafter
 from kvserve.scheduler.ubatch_cost import UbatchCost, attended_keys
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class SpecMode(str, enum.Enum):
 
 
 # A drafter's acceptance before any of its drafts was verified (optimistic enough to be tried).
-PRIOR_ACCEPTANCE = {"prediction": 0.8, "tree": 0.7, "ngram": 0.5, "draft": 0.6}
+PRIOR_ACCEPTANCE = {"prediction": 0.8, "tree": 0.7, "ngram": 0.5, "recent": 0.5, "draft": 0.6}
 # A draft token less likely than this to be accepted is never drafted, whatever the priced cost says:
 # a price from noisy steps can make a token look free, and rejected rows are never free.
 MIN_GAIN = 0.25
@@ -74,7 +74,7 @@ _LENGTHS = (*range(1, 9), 10, 12, 15, 16, 23, 24, 31, 32, 47, 48, 63, 64)
 EVIDENCE_DECAY = 0.5
 # Drafters that guess from text alone: `auto` drafts their proposals for a sequence only once it has
 # watched one of them settle (a prediction is the client's word, a tree draft this very context's).
-WATCH_FIRST = frozenset({"ngram"})
+WATCH_FIRST = frozenset({"ngram", "recent"})
 # ... and only while that evidence holds this many right tokens (faded): prose repeats a word or two
 # of its prompt, an edit's answer a run of lines.
 WATCH_RIGHT = 2.0
@@ -132,8 +132,9 @@ class Speculator:
         self.cost = UbatchCost()
         self.stats: dict[str, DrafterStats] = {}
         ngram, prediction = NgramDrafter(), PredictionDrafter()
+        self.recent = RecentDrafter()  # fed by `finished`; auto only
         drafters: dict[SpecMode, list[Drafter]] = {
-            SpecMode.AUTO: [prediction, *([tree_drafter] if tree_drafter else []), ngram],
+            SpecMode.AUTO: [prediction, *([tree_drafter] if tree_drafter else []), self.recent, ngram],
             SpecMode.NGRAM: [prediction, ngram],
             SpecMode.TREE: [prediction, *([tree_drafter] if tree_drafter else [])],
             SpecMode.DRAFT: [prediction],
@@ -226,14 +227,24 @@ class Speculator:
             proposals[i] = (draft, model.name, 0.0)
 
     def _propose(self, state: SpecState, k: int) -> tuple[list[int], str, float]:
-        """The first drafter with a guess, in order (a request's prediction first)."""
-        if k <= 0:
-            return [], "", 0.0
-        for drafter in self.drafters:
+        """A fixed drafter's mode: the first drafter with a guess, in order (a request's prediction
+        first). `auto`: of the drafters with a guess, the one whose tokens this sequence finds the
+        likeliest; where none is trusted yet (`WATCH_FIRST`), the one it watched least, first in
+        order on a tie."""
+        found = []
+        for drafter in self.drafters if k > 0 else ():
             draft = drafter.propose(state.sequence, k)
             if draft:
-                return draft, drafter.name, state.rate(drafter.name, self.global_rate(drafter.name))
-        return [], "", 0.0
+                found.append((draft, drafter.name, state.rate(drafter.name, self.global_rate(drafter.name))))
+                if self.config.mode is not SpecMode.AUTO:
+                    break
+        return max(found, key=lambda f: (f[2], -state.evidence.get(f[1], (0.0, 0.0))[1]), default=([], "", 0.0))
+
+    def finished(self, state: SpecState) -> None:
+        """A sequence ended (not failed): its answer joins its namespace's recent answers."""
+        if self.enabled and self.recent in self.drafters:
+            sequence = state.sequence
+            self.recent.add(sequence.namespace, sequence.tokens, sequence.prompt_len)
 
     def record(self, state: SpecState, drafter: str, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens from `drafter` kept `accepted` of them."""
