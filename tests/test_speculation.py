@@ -96,7 +96,7 @@ def test_tree_drafts_what_followed_this_context_before(smollm2) -> None:
 def test_recent_drafts_an_earlier_answer_to_the_same_question_in_another_context(smollm2) -> None:
     """The same code after another preamble: the page tree has nothing after this context, the
     namespace's recent answers have the first round's answer, and `auto` drafts it once watched."""
-    preambles = iter(["Note: ", "Remark: "] * 2)
+    preambles = iter(["Note: ", "Remark: "] * 3)
     make = lambda m: [request(m, next(preambles) + PROMPTS[1], max_tokens=24)]  # noqa: E731
     (first, second), _ = served(smollm2, "off", "off", make, rounds=2)
     rounds, stats = served(smollm2, "auto", "off", make, rounds=2)
@@ -105,6 +105,10 @@ def test_recent_drafts_an_earlier_answer_to_the_same_question_in_another_context
     assert stats["recent"][1] >= 8 and stats["tree"][0] == 0, stats
     for alone, result in zip((first, second), rounds):
         assert_like_alone(alone[0], result[0], SMOLLM2_TOLERANCE)
+    tenants = iter(["tenant-a", "tenant-b"])  # the second round asks as another tenant: nothing to draft
+    make = lambda m: [request(m, next(preambles) + PROMPTS[1], max_tokens=24, namespace=next(tenants))]  # noqa: E731
+    _, stats = served(smollm2, "auto", "off", make, rounds=2)
+    assert stats["recent"] == (0, 0) and stats["tree"] == (0, 0)
 
 
 def test_prediction_drafts_and_is_counted(smollm2) -> None:
