@@ -26,8 +26,9 @@ Workloads, greedy, 64 tokens:
 Every request but regenerate's starts with its own tag, so none finds an earlier answer in the tree.
 At 1 user, 3 requests one after another; at 4 and 8 users, one round of that many requests at once.
 kvserve off and auto, whose ratios the targets are, run at once and take turns (`measure_paired`),
-twice, started in either order (`serve`): 6 requests each at 1 user, 2 rounds each above. A cell's rate is the median over its requests. The full run is about 20 minutes on 2 quiet cores;
-`--quick` runs one user only (about 7 minutes), `--cells` picks cells by glob over
+twice, started in either order (`serve`): 6 requests each at 1 user, 2 rounds each above. A cell's
+rate is the median over its requests. The full run is about an hour on 2 cores; `--quick` runs one
+user only (about 10 minutes), `--cells` picks cells by glob over
 `server/workload/users`; either writes speculative-partial.* instead of the full run's results.
 
 python -m bench speculative [--quick] [--cells 'kvserve-*/edit/1' 'llama-server-*/edit/1']
