@@ -111,6 +111,23 @@ def test_recent_drafts_an_earlier_answer_to_the_same_question_in_another_context
     assert stats["recent"] == (0, 0) and stats["tree"] == (0, 0)
 
 
+def test_preemption_between_drafts_resumes_like_off(smollm2, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every 5th step finds no KV slot: the newest request gives its sequences back (what it
+    accepted, donated) and resumes where it stopped, drafting again, with nothing lost or doubled."""
+    from test_batching import no_slot_every
+
+    make = lambda m: [request(m, p) for p in PROMPTS]  # noqa: E731
+    (off,), _ = served(smollm2, "off", "off", make)
+    with engine(smollm2, speculative="ngram", flash_attn="off", **SMALL) as e:
+        no_slot_every(e, 5, monkeypatch)
+        requests = make(e.model)
+        together = run_traced(e, requests)
+        assert e.scheduler.planner.preemptions > 0 and e.scheduler.speculator.stats["ngram"].accepted > 0
+        assert e.pool.sessions == []
+    for alone, r in zip(off, requests):
+        assert_like_alone(alone, together[r.id], SMOLLM2_TOLERANCE)
+
+
 def test_prediction_drafts_and_is_counted(smollm2) -> None:
     """OpenAI's Predicted Outputs: the predicted text drafts, and usage counts accepted and rejected tokens."""
     with engine(smollm2, speculative="ngram", flash_attn="off", **SMALL) as e:
