@@ -150,8 +150,8 @@ def groups(runs: list[Server]) -> list[list[Server]]:
     """The servers in order, one at a time but the `PAIRED` two, served at once in the first's place."""
     paired = [s for s in runs if s.name in PAIRED]
     if len(paired) != len(PAIRED):
-        paired = []
-    return [paired if s is paired[0] else [s] for s in runs if s not in paired[1:]] if paired else [[s] for s in runs]
+        return [[s] for s in runs]
+    return [paired if s is paired[0] else [s] for s in runs if s not in paired[1:]]
 
 
 def start(server: Server, argv: tuple[str, ...], model: Path, log: Path) -> ServerProcess:

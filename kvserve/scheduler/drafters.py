@@ -112,7 +112,7 @@ class _Copier:
         """Check the copy against the tokens that came since; False once it is lost."""
         copy, subs = self.copy, self.subs
         while copy is not None and copy.out < len(tokens):
-            if copy.src >= len(copy.source) or copy.source[copy.src] < 0:  # the source's end, or an entry's
+            if copy.src >= len(copy.source) or copy.source[copy.src] == END:  # the source's end, or an entry's
                 copy = None
                 break
             source, got = copy.source[copy.src], tokens[copy.out]
@@ -194,7 +194,7 @@ class PredictionDrafter:
         copier = sequence.copiers.get(self.name)
         if copier is None:
             copier = sequence.copiers[self.name] = _Copier(_NgramIndex(self.min_n, self.max_n))
-            copier.index.update(predicted + [-1])  # every gram of the prediction, its last one too
+            copier.index.update([*predicted, END])  # every gram of the prediction, its last one too
             copier.copy = _Copy(predicted, 0, sequence.prompt_len, MIN_RUN)  # the output starts as predicted
         tail = tokens[len(tokens) - min(n_out, self.max_n) :]  # the output's tail, uncopied
         if not (copier.follow(tokens) or (tail and copier.find(predicted, tail, len(tokens)))):
@@ -232,9 +232,9 @@ class RecentDrafter:
 
     def add(self, namespace: str, tokens: list[int], prompt_len: int) -> None:
         """A finished sequence's answer, after the prompt's last tokens that lead into it."""
-        answer = tokens[max(0, prompt_len - self.max_n) :]
-        if len(answer) - min(prompt_len, self.max_n) <= 0:
+        if len(tokens) <= prompt_len:
             return
+        answer = tokens[max(0, prompt_len - self.max_n) :]
         pool = self.pools.pop(namespace, None) or _NgramPool(self.min_n, self.max_n)
         self.pools[namespace] = pool
         pool.add(answer[-self.max_tokens // 2 :], self.max_tokens)

@@ -23,13 +23,14 @@ class Ending:
     def end(self, request: Request, reason: FinishReason | None, outputs: StepOutputs,
             error: str | None = None, status: int = 500) -> None:
         """Close every open choice with `reason`, give the sequences back, emit usage (or the error)."""
+        failed = reason is FinishReason.ERROR
         for choice in request.state.choices:
             if choice.finish_reason is None:
                 choice.end(reason)
                 outputs.delta(request, choice).finish_reason = reason
-            if self.speculator is not None and choice.spec is not None and reason is not FinishReason.ERROR:
+            if self.speculator is not None and choice.spec is not None and not failed:
                 self.speculator.finished(choice.spec)
-        self.kv.release(request, donate=reason is not FinishReason.ERROR)
+        self.kv.release(request, donate=not failed)
         self.queues.remove(request)
         outputs.end(request, error, status)
 
