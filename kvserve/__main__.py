@@ -27,13 +27,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvserve.scheduler.engine import preflight
     from kvserve.server.app import serve
+    from kvserve.server.catalog import catalog
 
     try:
-        preflight(settings)
+        specs = catalog(settings)
+        if not settings.many_models:
+            preflight(settings)
     except ValueError as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    serve(settings)
+    serve(settings, specs)
 
 
 if __name__ == "__main__":

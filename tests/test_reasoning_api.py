@@ -262,7 +262,7 @@ def test_a_forced_close_is_the_same_under_speculation(tiny, url: str) -> None:
 def test_the_format_is_detected_and_the_flag_overrides_it(tiny, template: str, flag: str,
                                                         expected: ReasoningFormat) -> None:
     with served(tiny("llama", template), threads=1, reasoning_format=flag) as (base, app):
-        assert app.state.engine.reasoning is expected
+        assert app.state.models.only.reasoning is expected
         if expected is ReasoningFormat.NONE:
             body = httpx.post(f"{base}/v1/chat/completions", json={"messages": ASK, "temperature": 0,
                                                                    "max_tokens": 8}, timeout=300).json()

@@ -23,8 +23,8 @@ def test_soak_leaks_nothing(tiny) -> None:
         assert outcomes["cancelled"] >= N_REQUESTS * CANCEL_SHARE / 2
 
         assert engine_idle(app)
-        pool = app.state.engine.pool
-        cache = app.state.engine.cache
+        pool = app.state.models.only.pool
+        cache = app.state.models.only.cache
         assert pool.sessions == []
         assert live_samplers() == 0
         assert pool.live_sessions == 0 and pool.free_streams == pool.n_streams

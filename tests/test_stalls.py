@@ -60,7 +60,7 @@ def test_a_stuck_step_is_reported_once_with_the_state(tiny, stall_log: _Flag, mo
     request, counts the stall, and the oldest waiting request's age shows in /metrics."""
     release = threading.Event()
     with served(tiny("llama"), threads=1, parallel=1, stall_seconds=0.5) as (url, app):
-        ctx = app.state.engine.pool.ctx
+        ctx = app.state.models.only.pool.ctx
         real_decode = ctx.decode
 
         def stuck(batch: Batch) -> None:
@@ -92,7 +92,7 @@ def test_a_stuck_step_is_reported_once_with_the_state(tiny, stall_log: _Flag, mo
 def test_a_scheduler_that_moves_nothing_describes_what_waits(tiny, stall_log: _Flag, monkeypatch) -> None:
     """Steps keep running but admit nothing: the report says what the waiting request waits for."""
     with served(tiny("llama"), threads=1, stall_seconds=0.5) as (url, app):
-        scheduler = app.state.engine.scheduler
+        scheduler = app.state.models.only.scheduler
         monkeypatch.setattr(scheduler.kv, "room_for", lambda request, n: Room.LATER)
         with httpx.Client(timeout=60) as client:
             result = []

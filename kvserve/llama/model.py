@@ -31,6 +31,8 @@ class ModelInfo:
     is_recurrent: bool
     is_hybrid: bool
     n_swa: int = 0  # the sliding window of its SWA layers, in positions (0: none)
+    embedding_only: bool = False  # an embedder, not a generator: see `Model._embedding_only`
+    size_bytes: int = 0  # the weights, as llama.cpp counts them
 
     @property
     def carries_state(self) -> bool:
@@ -64,11 +66,23 @@ class Model:
             is_recurrent=bool(llama_cpp.llama_model_is_recurrent(self._ptr)),
             is_hybrid=bool(llama_cpp.llama_model_is_hybrid(self._ptr)),
             n_swa=int(llama_cpp.llama_model_n_swa(self._ptr)),
+            embedding_only=self._embedding_only(),
+            size_bytes=int(llama_cpp.llama_model_size(self._ptr)),
         )
         self.bos = llama_cpp.llama_vocab_bos(self._vocab)
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
         self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.adds_eos = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
+
+    def _embedding_only(self) -> bool:
+        """An encoder without a decoder, a model whose attention is not causal (BERT, nomic-bert: its
+        GGUF says `<arch>.attention.causal = false`), or a reranker (pooling type rank): it embeds or
+        scores, it does not generate."""
+        if llama_cpp.llama_model_has_encoder(self._ptr) and not llama_cpp.llama_model_has_decoder(self._ptr):
+            return True
+        arch = self.metadata("general.architecture") or ""
+        return (self.metadata(f"{arch}.attention.causal") == "false"
+                or self.metadata(f"{arch}.pooling_type") == str(llama_cpp.LLAMA_POOLING_TYPE_RANK))
 
     @cached_property
     def _cuts(self) -> SpecialCuts | None:

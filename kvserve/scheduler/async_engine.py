@@ -8,6 +8,7 @@ keeps serving HTTP while a step runs.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
@@ -76,6 +77,9 @@ class RequestStream:
 
 def _is_last(output: RequestOutput) -> bool:
     return output.usage is not None or output.error is not None
+
+
+_TURN = threading.Lock()  # the steps of the loaded models' engines run one at a time
 
 
 class AsyncEngine:
@@ -156,6 +160,12 @@ class AsyncEngine:
             self._embedding_jobs -= 1
             job.future.cancel()  # no-op once it has a result; otherwise the engine drops the job
 
+    def _step(self) -> list[RequestOutput]:
+        """One step, in turn with every other model's engine: each uses all of `--threads`, and two
+        decoding at once would fight for the cores (llama.cpp's workers spin at their barriers)."""
+        with _TURN:
+            return self.scheduler.step()
+
     def _check_room(self) -> None:
         if not self.running:
             raise EngineStopped("the engine is not running")
@@ -188,7 +198,7 @@ class AsyncEngine:
                 await self._wakeup.wait()
             self._wakeup.clear()
             started = time.perf_counter()
-            outputs = await loop.run_in_executor(self._executor, self.scheduler.step)
+            outputs = await loop.run_in_executor(self._executor, self._step)
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kvserve.cache import create_kv_pool
 from kvserve.cache.kv_pool import KvPool
 from kvserve.cache.prefix_cache import PrefixCache
-from kvserve.config import Settings
+from kvserve.config import ModelSettings, ServerSettings
 from kvserve.llama.attention_check import FlashAttnChoice, choose_flash_attn
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.kv_types import KvType, is_quantized
@@ -29,7 +29,7 @@ MIB = 1024 * 1024
 
 @dataclass
 class Engine:
-    settings: Settings
+    settings: ModelSettings
     model: Model
     template: ChatTemplate
     pool: KvPool
@@ -49,9 +49,25 @@ class Engine:
     def max_seq_len(self) -> int:
         return self.scheduler.config.max_seq_len
 
+    @property
+    def kind(self) -> str:
+        """`chat` (it generates, and embeds too) or `embedding` (it only embeds)."""
+        return "embedding" if self.model.info.embedding_only else "chat"
+
     @classmethod
-    def load(cls, settings: Settings) -> "Engine":
+    def load(cls, settings: ModelSettings, server: ServerSettings, cache_mb: float | None = None) -> "Engine":
+        """`settings`' model, served within `server`'s queue limits, its prefix cache within `cache_mb` of
+        host memory (default: all of `--prefix-state-mb`)."""
         model = Model(settings.model)
+        try:
+            return cls._load(model, embedder_settings(settings) if model.info.embedding_only else settings, server,
+                             server.prefix_state_mb if cache_mb is None else cache_mb)
+        except BaseException:
+            model.close()
+            raise
+
+    @classmethod
+    def _load(cls, model: Model, settings: ModelSettings, server: ServerSettings, cache_mb: float) -> "Engine":
         attention = flash_attn_for(model, settings)
         lora = LoraAdapters(model, settings.lora_paths()) if settings.lora else None
         # a stream of --ctx-size cells per running sequence: llama.cpp's n_ctx is their sum
@@ -59,7 +75,7 @@ class Engine:
             model, settings.page_rows, n_ctx_seq=settings.ctx_size, n_streams=settings.parallel,
             n_batch=settings.batch_size, n_threads=settings.threads,
             flash_attn="on" if attention.enabled else "off", kv_types=kv_types(settings),
-            enabled=settings.prefix_cache, budget_bytes=int(settings.prefix_state_mb * MIB),
+            enabled=settings.prefix_cache, budget_bytes=int(cache_mb * MIB),
             max_states=settings.prefix_states,
         )
         try:
@@ -69,27 +85,26 @@ class Engine:
             pool.close()
             if lora is not None:
                 lora.close()
-            model.close()
             raise
         ctx = pool.ctx
         _log.info("KV: %d streams of %d cells (K %s, V %s), %.0f MiB; prefix cache: %s in up to %g MiB of host memory",
-                  pool.n_streams, pool.n_ctx_seq, *kv_types(settings), ctx.kv_bytes / MIB, cache.keeps, settings.prefix_state_mb)
+                  pool.n_streams, pool.n_ctx_seq, *kv_types(settings), ctx.kv_bytes / MIB, cache.keeps, cache_mb)
         config = SchedulerConfig(
             max_running=settings.parallel,
             token_budget=settings.batch_size,
             max_seq_len=min(ctx.n_ctx_seq, model.info.n_ctx_train or ctx.n_ctx_seq),
-            queue_timeout=settings.queue_timeout,
+            queue_timeout=server.queue_timeout,
             prefill_chunk=settings.prefill_chunk or None,
         )
         embedder = Embedder(model, EmbedderConfig(
             pooling=settings.pooling or model_pooling(model), batch_tokens=min(settings.embedding_batch, config.max_seq_len),
-            n_threads=settings.threads, queue_timeout=settings.queue_timeout))
+            n_threads=settings.threads, queue_timeout=server.queue_timeout))
         spec = SpecConfig(SpecMode(settings.speculative), settings.draft_max)
         scheduler = Scheduler(pool, cache, config, embedder, spec, lora, draft)
         if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:
             _log.warning("speculative decoding is off: this model's KV rows cannot be cut back "
                          "(a recurrent state)")
-        async_engine = AsyncEngine(scheduler, settings.max_queue, settings.stall_seconds)
+        async_engine = AsyncEngine(scheduler, server.max_queue, server.stall_seconds)
         if scheduler.speculator.enabled and spec.mode is SpecMode.AUTO:
             # what a step of each size costs, before any request pays to learn it
             scheduler.speculator.cost.calibrate(async_engine.run_now(lambda: ctx.time_ubatches(list(CALIBRATION_SIZES))))
@@ -112,11 +127,19 @@ class Engine:
         self.model.close()
 
 
-def uses_draft_model(settings: Settings) -> bool:
+def embedder_settings(settings: ModelSettings) -> ModelSettings:
+    """An embedding-only model's settings: one stream, no prefix cache (it keeps no KV rows to page), no drafts."""
+    if settings.speculative != "off" or settings.lora:
+        _log.warning("%s embeds only: --speculative and --lora do not apply to it", settings.model)
+    return settings.model_copy(update={"prefix_cache": False, "parallel": 1, "speculative": "off", "draft_model": None,
+                                       "lora": []})
+
+
+def uses_draft_model(settings: ModelSettings) -> bool:
     return settings.draft_model is not None and settings.speculative == "draft"
 
 
-def load_draft_model(settings: Settings, pool: KvPool, attention: FlashAttnChoice) -> DraftModel | None:
+def load_draft_model(settings: ModelSettings, pool: KvPool, attention: FlashAttnChoice) -> DraftModel | None:
     """The draft model's context beside the target's (a stream per target stream), where
     `--speculative draft` uses it and the target's rows can be cut back (not a recurrent state)."""
     if settings.draft_model is not None and not uses_draft_model(settings):
@@ -129,11 +152,11 @@ def load_draft_model(settings: Settings, pool: KvPool, attention: FlashAttnChoic
     return draft
 
 
-def kv_types(settings: Settings) -> tuple[KvType, KvType]:
+def kv_types(settings: ModelSettings) -> tuple[KvType, KvType]:
     return settings.cache_type_k, settings.cache_type_v
 
 
-def flash_attn_for(model: Model, settings: Settings) -> FlashAttnChoice:
+def flash_attn_for(model: Model, settings: ModelSettings) -> FlashAttnChoice:
     """Flash attention on or off (`--flash-attn` and the self-check over the served KV types).
     Raises ValueError where a quantized V cache would need it and it is off."""
     attention = choose_flash_attn(model, settings.flash_attn, settings.threads, kv_types(settings))
@@ -142,7 +165,7 @@ def flash_attn_for(model: Model, settings: Settings) -> FlashAttnChoice:
     return attention
 
 
-def preflight(settings: Settings) -> None:
+def preflight(settings: ModelSettings) -> None:
     """What `Engine.load` would refuse, refused before the server starts, as a ValueError: a quantized
     V without flash attention (the check's verdict is kept for `Engine.load`), an adapter llama.cpp
     cannot load for the model."""

@@ -12,10 +12,13 @@ from typing import AsyncIterator
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.config import Settings
 from kvserve.scheduler.engine import Engine
+from kvserve.server.catalog import ModelSpec, catalog
+from kvserve.server.model_set import ModelSet, ReleaseLeases, engine_for
 from kvserve.server import cache_routes, embeddings, prompts, ui_routes, worker_routes
 from kvserve.server.auth import Keys, require_key, tenant_of
 from kvserve.server.errors import error_responses, install_error_handlers
@@ -32,10 +35,6 @@ from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, Str
 from kvserve.server.shutdown import DrainingServer
 
 
-def _engine(request: Request) -> Engine:
-    return request.app.state.engine
-
-
 # What the generation routes answer besides their body: SSE when streaming, and every refusal.
 _GENERATION = {200: {"content": {"text/event-stream": {}}}, **error_responses(400, 413, 429, 500, 503)}
 
@@ -45,10 +44,10 @@ public = APIRouter()
 
 @public.get("/health")
 async def health(request: Request) -> JSONResponse:
-    engine: Engine | None = getattr(request.app.state, "engine", None)
+    models: ModelSet | None = getattr(request.app.state, "models", None)
     if request.app.state.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
-    if engine is None or not engine.async_engine.running:
+    if models is None or not models.serving:
         return JSONResponse({"status": "loading"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -63,18 +62,40 @@ async def metrics(request: Request) -> Response:
 @api.get("/v1/models")
 @api.get("/models")
 async def models(request: Request) -> dict:
-    engine = _engine(request)
-    base = {"object": "model", "created": request.app.state.started, "owned_by": "kvserve",
-            "max_model_len": engine.max_seq_len}
-    adapters = [{"id": name, **base, "root": str(path), "parent": engine.settings.served_name}
-                for name, path in engine.settings.lora_paths().items()]  # vLLM lists its adapters so
-    return {"object": "list", "data": [{"id": engine.settings.served_name, **base}, *adapters]}
+    """Every model, loaded or not, with its status (llama-server router mode's shape), and each
+    model's LoRA adapters as vLLM lists them."""
+    models: ModelSet = request.app.state.models
+    base = {"object": "model", "created": request.app.state.started, "owned_by": "kvserve"}
+    data = []
+    for model in models.models:
+        data.append({**base, **models.describe(model)})
+        data += [{"id": name, **base, "root": str(path), "parent": model.spec.name, "status": data[-1]["status"]}
+                 for name, path in model.spec.settings.lora_paths().items()]
+    return {"object": "list", "data": data}
+
+
+class ModelName(BaseModel):
+    model: str
+
+
+@api.post("/models/load")
+async def load_model(body: ModelName, request: Request) -> dict:
+    """llama-server router mode's load: `{"model": NAME}`, answered once it is loaded."""
+    await request.app.state.models.load(body.model)
+    return {"success": True}
+
+
+@api.post("/models/unload")
+async def unload_model(body: ModelName, request: Request) -> dict:
+    """llama-server router mode's unload: `{"model": NAME}`; 409 while it serves requests."""
+    unloaded = await request.app.state.models.unload(body.model)
+    return {"success": True, "unloaded": unloaded}
 
 
 @api.post("/v1/chat/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
 @api.post("/chat/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    engine = _engine(request)
+    engine = await engine_for(request, body.model, keep_alive=body.keep_alive, generate=True)
     job, reply = await prompts.chat_job(engine, body, tenant=tenant_of(request))
     shape = Shape(True, prompts.served_model(engine, body), job, reply=reply)
     return await respond(request, engine, job, _answer(engine, shape, body.stream, body.stream_options))
@@ -83,7 +104,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @api.post("/v1/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
 @api.post("/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    engine = _engine(request)
+    engine = await engine_for(request, body.model, keep_alive=body.keep_alive, generate=True)
     prompt = await asyncio.to_thread(prompts.completion_prompt, engine.model, body)
     params = prompts.sampling_params(engine.model, body, None)
     job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl", "prompt",
@@ -100,18 +121,19 @@ def _answer(engine: Engine, shape: Shape, streaming: bool, options: StreamOption
     return Answer(partial(collect, shape, logprobs=formatter), chunks if streaming else None, shape.finish_reasons)
 
 
-def create_app(settings: Settings) -> FastAPI:
-    """The app; the model loads at startup and is released, in order, at shutdown."""
+def create_app(settings: Settings, specs: list[ModelSpec] | None = None) -> FastAPI:
+    """The app over `specs` (default: the models `settings` name); the models marked to load at
+    start load before it serves, and every loaded model is released, in order, at shutdown."""
+    model_set = ModelSet(settings, catalog(settings) if specs is None else specs)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.engine = await asyncio.to_thread(Engine.load, settings)
-        app.state.engine.async_engine.start()
+        await model_set.start()
+        app.state.models = model_set
         try:
             yield
         finally:
-            await app.state.engine.async_engine.stop()
-            app.state.engine.close()
+            await model_set.close()
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -121,8 +143,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.response_store = ResponseStore(
         settings.response_store_count, int(settings.response_store_mb * 1024 * 1024), settings.response_store_ttl
     )
-    app.state.metrics = Metrics(lambda: app.state.engine.scheduler.snapshot, lambda: app.state.engine.scheduler.times,
-                                lambda: app.state.engine.async_engine, settings)
+    app.state.metrics = Metrics(partial(_engine_views, model_set), settings)
     install_error_handlers(app)
     _document_400s_not_422s(app)
     app.include_router(public)
@@ -142,7 +163,13 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     app.add_middleware(ErrorBoundary)
     app.add_middleware(RequestId)
+    app.add_middleware(ReleaseLeases)  # outermost: a lease ends after the last byte of its response
     return app
+
+
+def _engine_views(models: ModelSet) -> list:
+    return [(m.spec.name, m.engine.scheduler.snapshot, m.engine.scheduler.times, m.engine.async_engine)
+            for m in models.loaded]
 
 
 def _document_400s_not_422s(app: FastAPI) -> None:
@@ -162,7 +189,7 @@ def _document_400s_not_422s(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def serve(settings: Settings) -> None:
-    app = create_app(settings)
+def serve(settings: Settings, specs: list[ModelSpec] | None = None) -> None:
+    app = create_app(settings, specs)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=log_config(settings.log_format))
     DrainingServer(config, app, settings.drain_timeout).run()

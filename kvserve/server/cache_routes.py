@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
+from kvserve.server.model_set import engine_for
 from kvserve.server.auth import tenant_of
 from kvserve.server.errors import invalid
 from kvserve.server.namespace import request_namespace
@@ -22,8 +23,8 @@ router = APIRouter()
 @router.post("/v1/prefix/match")
 @router.post("/prefix/match")
 async def prefix_match(body: dict, request: Request) -> dict:
-    engine: Engine = request.app.state.engine
     parsed = prompts.parse_body(body)
+    engine = await engine_for(request, parsed.model)
     tokens = await prompts.prompt_tokens(engine.model, engine.template, parsed)
     key = PrefixKey(prompts.job_namespace(parsed, tenant_of(request)), tokens)
     cached = await engine.async_engine.call(lambda: engine.scheduler.kv.cached_len(key))
@@ -32,12 +33,12 @@ async def prefix_match(body: dict, request: Request) -> dict:
 
 @router.get("/v1/cache")
 @router.get("/cache")
-async def cache_view(request: Request, cache_salt: str | None = None) -> dict:
-    """What the caller's namespace holds (`?cache_salt=` names a salted one); the pool's counts are
-    the whole server's, its streams of other namespaces show neither rows nor lengths."""
+async def cache_view(request: Request, cache_salt: str | None = None, model: str | None = None) -> dict:
+    """What the caller's namespace holds in `?model=`'s cache (`?cache_salt=` names a salted one); the
+    pool's counts are the whole model's, its streams of other namespaces show neither rows nor lengths."""
     if cache_salt is not None and not 1 <= len(cache_salt) <= MAX_CACHE_SALT:
         raise invalid(f"cache_salt: a salt has 1 to {MAX_CACHE_SALT} characters", "cache_salt")
-    engine: Engine = request.app.state.engine
+    engine = await engine_for(request, model)
     pool = engine.pool
     namespace = request_namespace(tenant=tenant_of(request), cache_salt=cache_salt)
 

@@ -21,6 +21,7 @@ from kvserve.llama.model import Model
 from kvserve.scheduler.async_engine import EngineStopped, QueueFull
 from kvserve.scheduler.embeddings import EmbeddingFailed, EmbeddingJob
 from kvserve.scheduler.engine import Engine
+from kvserve.server.model_set import engine_for
 from kvserve.server.errors import APIError, engine_error, error_responses, invalid
 # the generation routes' watch on the client (to be made public there once issue 21's rework of that module lands)
 from kvserve.server.generation import _ClientGone, _unless_disconnected, accepting, rejected
@@ -37,6 +38,7 @@ class _Body(BaseModel):
 class EmbeddingRequest(_Body):
     input: Input
     model: str | None = None
+    keep_alive: Union[float, str, None] = None  # Ollama's: how long the model stays loaded once idle
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
@@ -70,7 +72,7 @@ _ROUTE = dict(dependencies=[Depends(accepting)], responses=_RESPONSES, response_
 @router.post("/v1/embeddings", **_ROUTE)
 @router.post("/embeddings", **_ROUTE)
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    engine: Engine = request.app.state.engine
+    engine = await engine_for(request, body.model, keep_alive=body.keep_alive)
     embedder = engine.embedder
     if body.dimensions is not None and body.dimensions != embedder.dimensions:
         raise invalid(f"this model's embeddings have {embedder.dimensions} dimensions; they cannot be shortened",

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvserve.config import Settings
+from kvserve.config import ServerSettings
 from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.request import FinishReason, RequestOutput
 from kvserve.scheduler.scheduler import StepTimes
@@ -22,19 +22,34 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+# The engines of the loaded models, by served name: (name, snapshot, step times, queue) read at scrape time.
+EngineViews = Callable[[], list[tuple[str, EngineSnapshot, StepTimes, AsyncEngine]]]
+
+
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes],
-                 queue: Callable[[], AsyncEngine]) -> None:
-        self._snapshot = snapshot
-        self._times = times
-        self._queue = queue
+    """Each loaded model's engine numbers; with several models (`labelled`), each sample carries its
+    `model_name` (vLLM's label), and a model that is not loaded has no samples."""
+
+    def __init__(self, engines: EngineViews, labelled: bool) -> None:
+        self._engines = engines
+        self._labelled = labelled
 
     def collect(self) -> Iterator[Metric]:
-        s = self._snapshot()
-        t = self._times()
+        merged: dict[str, Metric] = {}
+        for name, snapshot, times, queue in self._engines():
+            for family in self._families(snapshot, times, queue):
+                if not self._labelled:
+                    yield family
+                    continue
+                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    into.add_sample(sample.name, {**sample.labels, "model_name": name}, sample.value)
+        yield from merged.values()
+
+    @staticmethod
+    def _families(s: EngineSnapshot, t: StepTimes, queue: AsyncEngine) -> Iterator[Metric]:
         yield GaugeMetricFamily("kvserve_requests_running", "Requests with sequences in the KV cache", s.running)
         yield GaugeMetricFamily("kvserve_requests_waiting", "Requests waiting for admission", s.waiting)
-        queue = self._queue()
         yield GaugeMetricFamily(
             "kvserve_oldest_waiting_seconds", "Age of the oldest request not yet admitted (0: none waits)",
             queue.oldest_waiting_seconds(),
@@ -149,13 +164,20 @@ class _VllmCollector(Collector):
     """The engine numbers under vLLM's names and `model_name` label, the ones routers (load-aware
     policies) and existing vLLM dashboards read; the same snapshot as the kvserve_* ones."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
-        self._snapshot = snapshot
-        self._labels = [model_name]
+    def __init__(self, engines: EngineViews) -> None:
+        self._engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        s = self._snapshot()
-        for kind, name, doc, value in (
+        families: dict[str, Metric] = {}
+        for model_name, s, _, _ in self._engines():
+            for kind, name, doc, value in self._values(s):
+                family = families.setdefault(name, kind(name, doc, labels=["model_name"]))
+                family.add_metric([model_name], value)
+        yield from families.values()
+
+    @staticmethod
+    def _values(s: EngineSnapshot) -> tuple:
+        return (
             (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch", s.running),
             (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting for admission", s.waiting),
             (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", s.kv_usage),
@@ -163,15 +185,11 @@ class _VllmCollector(Collector):
              s.cache.queried_tokens),
             (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
              s.cache.hit_tokens),
-        ):
-            family = kind(name, doc, labels=["model_name"])
-            family.add_metric(self._labels, value)
-            yield family
+        )
 
 
 class Metrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], times: Callable[[], StepTimes],
-                 queue: Callable[[], AsyncEngine], settings: Settings) -> None:
+    def __init__(self, engines: EngineViews, settings: ServerSettings) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -206,9 +224,9 @@ class Metrics:
             self.success.labels(finish_reason=reason)
         for status in ("429", "503"):
             self.rejected.labels(status=status)
-        r.register(_EngineCollector(snapshot, times, queue))
+        r.register(_EngineCollector(engines, labelled=settings.many_models))
         if settings.metrics_compat == "vllm":
-            r.register(_VllmCollector(snapshot, settings.served_name))
+            r.register(_VllmCollector(engines))
 
 
 class RequestTimer:

@@ -181,6 +181,7 @@ class Sampling(Body):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
+    keep_alive: Union[float, str, None] = None  # Ollama's: how long the model stays loaded once idle
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)

@@ -45,9 +45,11 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
-        engine = getattr(self.fastapi.state, "engine", None)
-        if engine is not None and engine.async_engine.running:
-            _log.info("draining: %d requests in flight, up to %gs", engine.async_engine.in_flight, self.drain_timeout)
-            failed = await engine.async_engine.drain(self.drain_timeout, SHUTTING_DOWN)
+        models = getattr(self.fastapi.state, "models", None)
+        engines = [m.engine.async_engine for m in models.loaded] if models is not None else []
+        running = [engine for engine in engines if engine.running]
+        if running:
+            _log.info("draining: %d requests in flight, up to %gs", sum(e.in_flight for e in running), self.drain_timeout)
+            failed = sum(await asyncio.gather(*(e.drain(self.drain_timeout, SHUTTING_DOWN) for e in running)))
             _log.info("drained; %d requests were cut short", failed)
         self.should_exit = True

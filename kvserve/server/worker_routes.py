@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
-from kvserve.scheduler.engine import Engine
+from kvserve.server.model_set import ModelSet, engine_for
 from kvserve.server import prompts
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -28,13 +28,13 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _engine(request: Request) -> Engine:
-    return request.app.state.engine
-
-
 @router.get("/server_info")
-async def server_info(request: Request) -> dict:
-    engine = _engine(request)
+async def server_info(request: Request, model: str | None = None) -> dict:
+    """One model's facts (`?model=`; with several, the first loaded one's unless named), and every model."""
+    models: ModelSet = request.app.state.models
+    if model is None and not models.single:
+        model = next((m.spec.name for m in models.loaded), models.models[0].spec.name)
+    engine = await engine_for(request, model)
     s = engine.settings
     pool = engine.pool
     return {
@@ -45,6 +45,8 @@ async def server_info(request: Request) -> dict:
         "context_length": engine.max_seq_len,
         "max_total_tokens": pool.n_cells,
         "version": __version__,
+        "kind": engine.kind,
+        "models": [models.describe(m) for m in models.models],
         "engine": "kvserve",
         "flash_attn": engine.attention.as_dict(),  # what runs and why (--flash-attn and the self-check)
         "flash_attn_enabled": engine.pool.ctx.flash_attn,
@@ -67,10 +69,10 @@ async def server_info(request: Request) -> dict:
 
 
 @router.get("/lora-adapters")
-async def lora_adapters(request: Request) -> list[dict]:
-    """llama-server's list of adapters: a request's `lora` entries name them by `id`; `scale` is what
-    picking one by its model name applies."""
-    s = _engine(request).settings
+async def lora_adapters(request: Request, model: str | None = None) -> list[dict]:
+    """llama-server's list of adapters (of `?model=`'s): a request's `lora` entries name them by `id`;
+    `scale` is what picking one by its model name applies."""
+    s = request.app.state.models.find(model).spec.settings
     return [{"id": i, "name": name, "path": str(path), "scale": s.lora_scale}
             for i, (name, path) in enumerate(s.lora_paths().items())]
 
@@ -78,14 +80,14 @@ async def lora_adapters(request: Request) -> list[dict]:
 @router.post("/tokenize")
 async def tokenize(body: dict, request: Request) -> dict:
     """vLLM's /tokenize: `{"prompt"}` or `{"messages"}`, tokenized as that completion or chat would be."""
-    engine = _engine(request)
+    engine = await engine_for(request, body.get("model") if isinstance(body.get("model"), str) else None)
     tokens = await prompts.body_prompt(engine.model, engine.template, body)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_seq_len}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-    model = _engine(request).model
+    model = (await engine_for(request, body.model)).model
     prompts.check_token_ids(model, body.tokens, "tokens")
     # Special tokens spelled out, so that a rendered chat detokenizes to its template text.
     return {"prompt": await asyncio.to_thread(model.detokenize, body.tokens, special=True)}
@@ -93,11 +95,11 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
 
 @router.post("/v1/chat/completions/render")
 async def render_chat(body: ChatCompletionRequest, request: Request) -> dict:
-    engine = _engine(request)
+    engine = await engine_for(request, body.model)
     return {"token_ids": await prompts.prompt_tokens(engine.model, engine.template, body)}
 
 
 @router.post("/v1/completions/render")
 async def render_completion(body: CompletionRequest, request: Request) -> dict:
-    engine = _engine(request)
+    engine = await engine_for(request, body.model)
     return {"token_ids": await prompts.prompt_tokens(engine.model, engine.template, body)}

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
+from kvserve.server.model_set import engine_for
 from kvserve.server.auth import tenant_of
 from kvserve.server.errors import engine_error, error_responses
 from kvserve.server.generation import Answer, Outputs, accepting, respond
@@ -32,7 +33,7 @@ _CREATE = {200: {"content": {"text/event-stream": {}}},
 
 @router.post("/v1/messages", dependencies=[Depends(accepting)], responses=_CREATE)
 async def create_message(body: CreateMessage, request: Request) -> Response:
-    engine: Engine = request.app.state.engine
+    engine = await engine_for(request, body.model, keep_alive=body.keep_alive, generate=True)
     with to_chat.in_messages_terms():
         job, reply = await prompts.chat_job(engine, to_chat.chat_request(body), tenant=tenant_of(request))
     events = MessageEvents(MessageHead(engine.settings.served_name, len(job.prompt), body.max_tokens), reply)
@@ -59,7 +60,7 @@ async def _streamed(events: MessageEvents, outputs: Outputs) -> AsyncIterator[st
 @router.post("/v1/messages/count_tokens", responses=error_responses(400, 413, model=AnthropicErrorResponse))
 async def count_tokens(body: CountTokens, request: Request) -> dict:
     """`{"input_tokens"}`: the prompt the same body would be served with, tools included."""
-    engine: Engine = request.app.state.engine
+    engine = await engine_for(request, body.model, keep_alive=body.keep_alive)
     with to_chat.in_messages_terms():
         prompt = await asyncio.to_thread(prompts.chat_prompt, engine.model, engine.template, to_chat.chat_request(body))
     return {"input_tokens": len(prompt.tokens)}

@@ -166,7 +166,8 @@ class Metadata(Body):
 class CountTokens(Body):
     """What a prompt is made of: the body of count_tokens, and the start of every message request."""
 
-    model: str | None = None  # any name: the served model answers
+    model: str | None = None  # the model's name or alias (any name, where one model is served)
+    keep_alive: Union[float, str, None] = None  # Ollama's: how long the model stays loaded once idle
     messages: list[InputMessage] = Field(min_length=1)
     system: Union[str, list[TextBlock], None] = None
     tools: list[Tool] | None = None

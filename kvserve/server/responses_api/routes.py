@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
+from kvserve.server.model_set import engine_for
 from kvserve.server.auth import owner_of, tenant_of
 from kvserve.server.errors import APIError, engine_error, error_responses
 from kvserve.server.generation import Answer, Outputs, accepting, respond
@@ -50,7 +51,7 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 @router.post("/v1/responses", dependencies=[Depends(accepting)], responses=_CREATE)
 @router.post("/responses", dependencies=[Depends(accepting)], responses=_CREATE)
 async def create_response(body: CreateResponse, request: Request) -> Response:
-    engine: Engine = request.app.state.engine
+    engine = await engine_for(request, body.model, keep_alive=body.keep_alive, generate=True)
     store = _store(request)
     history = _stored(request, body.previous_response_id, "previous_response_id").context \
         if body.previous_response_id else []

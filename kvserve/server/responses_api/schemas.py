@@ -175,6 +175,7 @@ _UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 class CreateResponse(Body):
     model: str | None = None
+    keep_alive: Union[float, str, None] = None  # Ollama's: how long the model stays loaded once idle
     input: Union[str, list[InputItem]] = Field(default_factory=list)
     instructions: str | None = None
     previous_response_id: str | None = None

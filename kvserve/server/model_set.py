@@ -1,0 +1,357 @@
+"""The models one server holds: each loaded on its first request, unloaded when idle past its
+keep-alive, or to make room under `--models-max` and `--models-mb`, least recently used first.
+
+A request takes a `Lease` on its model (`ModelSet.lease`); the lease ends when its response has
+been sent, streamed bodies included (`ReleaseLeases`, the outermost middleware), so a model is never
+closed under a request that still reads it.
+
+Invariants:
+- a model is unloaded only while no lease holds it, and never when pinned (`--model` alone pins it);
+- at most `--models-max` models are loaded or loading, and their footprints together with the prefix
+  cache's budget stay within `--models-mb`; a load that cannot make room is a 503 that says why;
+- loads and unloads run one at a time (`_lock`); a request for a loading model waits for that load;
+- a model that failed to load answers its requests with why, until its file changes; the others serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve.config import Settings
+from kvserve.llama.model import ModelLoadError
+from kvserve.scheduler.engine import Engine
+from kvserve.server.catalog import ModelSpec, keep_alive_seconds
+from kvserve.server.errors import APIError
+
+_log = logging.getLogger("kvserve.models")
+MIB = 1024 * 1024
+
+
+class Status(str, Enum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+
+
+@dataclass(eq=False)
+class ServedModel:
+    spec: ModelSpec
+    engine: Engine | None = None
+    loading: asyncio.Task | None = None
+    error: str | None = None  # why the last load failed
+    failed_file: tuple[int, int] | None = None  # (size, mtime) of the file that failed: retried once it changes
+    leases: int = 0
+    last_used: float = 0.0  # monotonic
+    keep_alive: float = 300.0  # seconds idle before it unloads; < 0 never
+    footprint: int = 0  # bytes it took when last loaded (weights, KV cells, compute buffers)
+
+    @property
+    def status(self) -> Status:
+        if self.engine is not None:
+            return Status.LOADED
+        return Status.LOADING if self.loading is not None else Status.UNLOADED
+
+    @property
+    def evictable(self) -> bool:
+        return self.engine is not None and self.leases == 0 and not self.spec.pinned
+
+    def expired(self, now: float) -> bool:
+        return self.evictable and self.keep_alive >= 0 and now - self.last_used >= self.keep_alive
+
+
+@dataclass(eq=False)
+class Lease:
+    model: ServedModel
+    engine: Engine
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.model.leases -= 1
+            self.model.last_used = time.monotonic()
+
+
+def not_found(name: str | None) -> APIError:
+    if name is None:
+        return APIError(400, "model is required: this server serves several models (GET /v1/models lists them)",
+                        param="model", code="model_required")
+    return APIError(404, f"The model '{name}' does not exist (GET /v1/models lists the models served)",
+                    param="model", code="model_not_found")
+
+
+class ModelSet:
+    def __init__(self, settings: Settings, specs: list[ModelSpec]) -> None:
+        self.settings = settings
+        self.models = [ServedModel(spec, keep_alive=self._default_keep_alive(spec)) for spec in specs]
+        self._by_name = {name: m for m in self.models for name in m.spec.names}
+        self.single = not settings.many_models
+        self._lock = asyncio.Lock()
+        self._reaper: asyncio.Task | None = None
+        self.budget = int(settings.models_mb * MIB) if settings.models_mb else _machine_bytes() - 1024 * MIB
+        # each loaded model's prefix cache gets an equal share of the one host budget
+        self.cache_mb = settings.prefix_state_mb / (1 if self.single else settings.models_max)
+
+    def _default_keep_alive(self, spec: ModelSpec) -> float:
+        if spec.keep_alive is not None:
+            return spec.keep_alive
+        return keep_alive_seconds(self.settings.keep_alive)
+
+    # -- names -------------------------------------------------------------------------------------
+    def find(self, name: str | None) -> ServedModel:
+        """The model a request's `model` names: any name with one model (`--model` alone), else a
+        model's name, alias or LoRA adapter. 404 (400 without a name) otherwise."""
+        if self.single:
+            return self.models[0]
+        found = self._by_name.get(name) if name is not None else None
+        if found is None:
+            raise not_found(name)
+        return found
+
+    @property
+    def only(self) -> Engine:
+        """The engine of the one model served by `--model` alone."""
+        assert self.single and self.models[0].engine is not None
+        return self.models[0].engine
+
+    @property
+    def loaded(self) -> list[ServedModel]:
+        return [m for m in self.models if m.engine is not None]
+
+    @property
+    def serving(self) -> bool:
+        """At least one model serves, or (several models) the server can load them on demand."""
+        engines = [m.engine for m in self.loaded]
+        return any(e.async_engine.running for e in engines) or (not self.single and bool(self.models))
+
+    # -- leases ------------------------------------------------------------------------------------
+    async def lease(self, name: str | None, *, keep_alive: object = None, generate: bool = False) -> Lease:
+        """The loaded engine of `name`'s model, held until the lease is released: loads it if need be.
+        `keep_alive` (Ollama's) sets how long it stays loaded once idle; `generate`: 400 for an embedder."""
+        model = self.find(name)
+        if keep_alive is not None:
+            try:
+                model.keep_alive = keep_alive_seconds(keep_alive)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="keep_alive") from None
+        model.leases += 1
+        lease = None
+        try:
+            engine = model.engine or await self._wait_loaded(model)
+            if generate and engine.kind == "embedding":
+                raise APIError(400, f"model '{model.spec.name}' is an embedding model: it serves /v1/embeddings only",
+                               param="model", code="model_not_supported")
+            lease = Lease(model, engine)
+            return lease
+        finally:
+            if lease is None:
+                model.leases -= 1
+            model.last_used = time.monotonic()
+
+    async def _wait_loaded(self, model: ServedModel) -> Engine:
+        timeout = self.settings.queue_timeout or None
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._load_task(model)), timeout)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"model '{model.spec.name}' did not load within --queue-timeout "
+                                f"({self.settings.queue_timeout:g} s)", type="server_error",
+                           code="model_loading") from None
+
+    def _load_task(self, model: ServedModel) -> asyncio.Task:
+        if model.loading is None:
+            model.loading = asyncio.ensure_future(self._load(model))
+        return model.loading
+
+    # -- loading and unloading ---------------------------------------------------------------------
+    async def _load(self, model: ServedModel) -> Engine:
+        try:
+            async with self._lock:
+                if model.engine is not None:
+                    return model.engine
+                self._check_file(model)
+                await self._make_room(model, model.footprint or _file_bytes(model))
+                engine = await self._open(model)
+                model.engine, model.error, model.failed_file = engine, None, None
+                model.last_used = time.monotonic()
+                await self._make_room(model, 0)  # now that its real footprint is known
+                return engine
+        finally:
+            model.loading = None
+
+    def _check_file(self, model: ServedModel) -> None:
+        if model.error is not None and model.failed_file == _file_id(model):
+            raise _load_failed(model)
+
+    async def _open(self, model: ServedModel) -> Engine:
+        name = model.spec.name
+        _log.info("loading model %s from %s", name, model.spec.settings.model)
+        anon = _anon_bytes()
+        try:
+            engine = await asyncio.to_thread(Engine.load, model.spec.settings, self.settings, self.cache_mb)
+        except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
+            model.error, model.failed_file = str(exc) or type(exc).__name__, _file_id(model)
+            _log.error("model %s failed to load: %s", name, model.error)
+            raise _load_failed(model) from None
+        engine.async_engine.start()
+        model.footprint = engine.model.info.size_bytes + max(engine.pool.ctx.kv_bytes, _anon_bytes() - anon)
+        _log.info("model %s loaded (%s, %.0f MiB)", name, engine.kind, model.footprint / MIB)
+        return engine
+
+    async def _make_room(self, model: ServedModel, need: int) -> None:
+        """Unload idle models, least recently used first, until `model` (needing `need` more bytes) fits."""
+        while True:
+            others = [m for m in self.loaded if m is not model]
+            count = len(others) + 1
+            used = sum(m.footprint for m in self.loaded) + need + int(self.settings.prefix_state_mb * MIB)
+            if count <= self.settings.models_max and (self.single or used <= self.budget):
+                return
+            idle = sorted((m for m in others if m.evictable), key=lambda m: m.last_used)
+            if not idle:
+                if model.engine is not None:
+                    await self._close(model)
+                raise APIError(503, self._no_room(model, count, used), type="server_error", code="model_no_room")
+            await self._close(idle[0])
+
+    def _no_room(self, model: ServedModel, count: int, used: int) -> str:
+        if count > self.settings.models_max:
+            return (f"cannot load model '{model.spec.name}': {count - 1} models are loaded (--models-max "
+                    f"{self.settings.models_max}) and none is idle and unpinned")
+        return (f"cannot load model '{model.spec.name}': it needs {used / MIB:.0f} MiB with the models loaded and "
+                f"the prefix cache, over --models-mb {self.budget / MIB:.0f}, and no idle unpinned model can go")
+
+    async def unload(self, name: str) -> bool:
+        """Unload `name`'s model now (POST /models/unload): False when it is not loaded; a 409 while in use."""
+        model = self.find(name)
+        async with self._lock:
+            if model.engine is None:
+                return False
+            if model.leases:
+                raise APIError(409, f"model '{model.spec.name}' is serving {model.leases} requests", code="model_busy")
+            await self._close(model)
+            return True
+
+    async def load(self, name: str) -> ServedModel:
+        """Load `name`'s model now (POST /models/load, or `load_at_start`)."""
+        model = self.find(name)
+        if model.engine is None:
+            await self._wait_loaded(model)
+        return model
+
+    async def _close(self, model: ServedModel) -> None:
+        engine, model.engine = model.engine, None
+        if engine is None:
+            return
+        _log.info("unloading model %s", model.spec.name)
+        await engine.async_engine.stop()
+        await asyncio.to_thread(engine.close)
+
+    # -- lifetime ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the models marked `load_at_start` (`--model` alone: its model; a failure there stops the
+        server, as ever), then unload idle ones past their keep-alive, every second."""
+        for model in self.models:
+            if model.spec.load_at_start:
+                try:
+                    await self.load(model.spec.name)
+                except APIError:
+                    if self.single:
+                        raise RuntimeError(model.error or "the model did not load") from None
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for model in self.models:
+                if model.expired(now):
+                    async with self._lock:
+                        if model.expired(time.monotonic()):
+                            await self._close(model)
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        async with self._lock:
+            for model in self.models:
+                await self._close(model)
+
+    def describe(self, model: ServedModel) -> dict:
+        """One model as GET /v1/models lists it, beside OpenAI's fields."""
+        engine = model.engine
+        out = {"id": model.spec.name, "status": {"value": model.status.value}, "aliases": list(model.spec.aliases),
+               "pinned": model.spec.pinned, "path": str(model.spec.settings.model)}
+        if engine is not None:
+            out.update(kind=engine.kind, max_model_len=engine.max_seq_len, memory_mb=round(model.footprint / MIB, 1))
+        if model.error is not None:
+            out["status"]["failed"] = True
+            out["error"] = model.error
+        return out
+
+
+def _load_failed(model: ServedModel) -> APIError:
+    return APIError(503, f"model '{model.spec.name}' cannot be loaded: {model.error}", type="server_error",
+                    code="model_load_failed")
+
+
+def _file_id(model: ServedModel) -> tuple[int, int] | None:
+    try:
+        st = os.stat(model.spec.settings.model)
+    except (OSError, TypeError):
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _file_bytes(model: ServedModel) -> int:
+    found = _file_id(model)
+    return found[0] if found else 0
+
+
+def _machine_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 * 1024 * MIB
+
+
+def _anon_bytes() -> int:
+    """The process's anonymous resident memory (KV cells, compute buffers; not the mapped weights)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class ReleaseLeases:
+    """Ends the model leases a request took once its response is sent, a streamed one to its last chunk."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for lease in scope.get("state", {}).get("model_leases", ()):
+                lease.release()
+
+
+async def engine_for(request: Request, name: str | None, *, keep_alive: object = None, generate: bool = False) -> Engine:
+    """The engine serving `name` for this request, held until its response is sent (`ReleaseLeases`)."""
+    lease = await request.app.state.models.lease(name, keep_alive=keep_alive, generate=generate)
+    leases = getattr(request.state, "model_leases", None)
+    if leases is None:
+        leases = request.state.model_leases = []
+    leases.append(lease)
+    return lease.engine

