@@ -223,3 +223,41 @@ def test_embedding_model_embeds_and_refuses_to_generate(models_dir: Path) -> Non
         listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert listed["nomic-embed-text-v1.5"]["kind"] == "embedding"
         assert chat(client, "smollm2").status_code == 200  # beside it, the chat model serves
+
+
+LONG = {"messages": [{"role": "system", "content": "You are a careful assistant for a bakery. " * 12},
+                     {"role": "user", "content": "Which bread keeps longest?"}], "max_tokens": 8, "temperature": 0}
+
+
+def cached_tokens(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_reloaded_model_attaches_its_own_pages_and_no_other_files(tmp_path: Path, smollm2: Path) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    link = folder / "smol.gguf"
+    link.symlink_to(smollm2)
+    (folder / "twin.gguf").symlink_to(smollm2)  # the same file as another model: a cache of its own
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(smollm2.read_bytes())  # the same bytes in another file: never its rows either
+    with served(None, models_dir=folder, ctx_size=512, parallel=2, prefix_state_mb=32) as (url, _), \
+            httpx.Client(base_url=url, timeout=120) as client:
+        def ask(model: str) -> dict:
+            reply = client.post("/v1/chat/completions", json={**LONG, "model": model})
+            assert reply.status_code == 200, reply.text
+            return reply.json()
+
+        first = ask("smol")
+        assert cached_tokens(first) == 0
+        assert client.post("/models/unload", json={"model": "smol"}).json()["unloaded"] is True
+        again = ask("smol")  # reloaded: its pages kept while unloaded attach with no prefill
+        assert cached_tokens(again) >= 64 and cached_tokens(again) < again["usage"]["prompt_tokens"]
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        assert cached_tokens(ask("twin")) == 0
+        assert client.post("/models/unload", json={"model": "smol"}).json()["unloaded"] is True
+        link.unlink()
+        link.symlink_to(copy)
+        moved = ask("smol")
+        assert cached_tokens(moved) == 0
+        assert moved["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]

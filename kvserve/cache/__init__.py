@@ -57,15 +57,18 @@ def create_prefix_cache(ctx: Context, page_rows: int, *, enabled: bool = True,
 
 def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, n_streams: int = 8,
                    n_batch: int = 512, n_threads: int = 2, flash_attn: FlashAttn = "auto",
-                   kv_types: tuple[KvType, KvType] = ("f16", "f16"),
+                   kv_types: tuple[KvType, KvType] = ("f16", "f16"), kept: PrefixCache | None = None,
                    **cache_options: Any) -> tuple[StreamPool, PrefixCache]:
     """A context of `n_streams` streams of `n_ctx_seq` cells each over `model`, its KV rows stored as
-    `kv_types` (K, V), the pool of its streams, and the prefix cache its sessions share
-    (`cache_options`: those of `create_prefix_cache`); pages keep the rows as stored."""
+    `kv_types` (K, V), the pool of its streams, and the prefix cache its sessions share: `kept` (the
+    cache of an earlier context with the same model and settings, rebound to this one), else a new
+    one (`cache_options`: those of `create_prefix_cache`); pages keep the rows as stored."""
     params = ContextParams(n_ctx_seq=n_ctx_seq, n_batch=max(n_batch, n_streams), n_seq_max=n_streams,
                            n_threads=n_threads, flash_attn=flash_attn, type_k=kv_types[0], type_v=kv_types[1])
     ctx = Context(model, params)
-    cache = create_prefix_cache(ctx, page_rows, **cache_options)
+    if kept is not None:
+        kept.rebind(ctx)
+    cache = kept if kept is not None else create_prefix_cache(ctx, page_rows, **cache_options)
     return StreamPool(ctx, on_end=cache.unlock, reuse=cache_options.get("enabled", True)), cache
 
 

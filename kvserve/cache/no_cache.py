@@ -32,6 +32,9 @@ class NoCache(PrefixCache):
     def release(self) -> None:
         pass
 
+    def rebind(self, ctx: object) -> None:
+        pass
+
     def stats(self) -> CacheStats:
         return CacheStats()
 

@@ -246,6 +246,11 @@ class PageCache(PrefixCache):
         if not parent.is_root:
             self.store.unlock(parent)
 
+    def rebind(self, ctx: Context) -> None:
+        if any(self._locks.values()):
+            raise RuntimeError("sessions still read cached pages: end them first")
+        self.ctx = self.rows.ctx = ctx
+
     def release(self) -> None:
         """Drop every page; no session may still hold one."""
         if any(self._locks.values()):

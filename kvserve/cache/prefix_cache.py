@@ -21,6 +21,7 @@ from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.prefix_key import PrefixKey
+from kvserve.llama.context import Context
 
 
 class PrefixCache(ABC):
@@ -74,6 +75,12 @@ class PrefixCache(ABC):
     @abstractmethod
     def release(self) -> None:
         """Give back everything the cache keeps; no session may still hold a lock."""
+
+    @abstractmethod
+    def rebind(self, ctx: "Context") -> None:
+        """Serve `ctx` from now on, keeping what is cached: a context over the same model file with
+        the same settings as the one the rows were read from (the model reloaded); no session may
+        still hold a lock."""
 
     def namespaces(self) -> set[str]:
         """The namespaces it holds rows of."""

@@ -181,6 +181,11 @@ class StateCache(PrefixCache):
         self.checkpoints.remove(checkpoint)
         self._evictions += 1
 
+    def rebind(self, ctx: Context) -> None:
+        if any(self._locks.values()):
+            raise RuntimeError("sessions still use checkpoints: end them first")
+        self.ctx = ctx
+
     def release(self) -> None:
         if any(self._locks.values()):
             raise RuntimeError("sessions still use checkpoints: end them first")

@@ -55,19 +55,22 @@ class Engine:
         return "embedding" if self.model.info.embedding_only else "chat"
 
     @classmethod
-    def load(cls, settings: ModelSettings, server: ServerSettings, cache_mb: float | None = None) -> "Engine":
+    def load(cls, settings: ModelSettings, server: ServerSettings, cache_mb: float | None = None,
+             kept: PrefixCache | None = None) -> "Engine":
         """`settings`' model, served within `server`'s queue limits, its prefix cache within `cache_mb` of
-        host memory (default: all of `--prefix-state-mb`)."""
+        host memory (default: all of `--prefix-state-mb`), or `kept`: what `close(keep_cache=True)` gave
+        back of an engine of the same file and settings."""
         model = Model(settings.model)
         try:
             return cls._load(model, embedder_settings(settings) if model.info.embedding_only else settings, server,
-                             server.prefix_state_mb if cache_mb is None else cache_mb)
+                             server.prefix_state_mb if cache_mb is None else cache_mb, kept)
         except BaseException:
             model.close()
             raise
 
     @classmethod
-    def _load(cls, model: Model, settings: ModelSettings, server: ServerSettings, cache_mb: float) -> "Engine":
+    def _load(cls, model: Model, settings: ModelSettings, server: ServerSettings, cache_mb: float,
+              kept: PrefixCache | None) -> "Engine":
         attention = flash_attn_for(model, settings)
         lora = LoraAdapters(model, settings.lora_paths()) if settings.lora else None
         # a stream of --ctx-size cells per running sequence: llama.cpp's n_ctx is their sum
@@ -76,7 +79,7 @@ class Engine:
             n_batch=settings.batch_size, n_threads=settings.threads,
             flash_attn="on" if attention.enabled else "off", kv_types=kv_types(settings),
             enabled=settings.prefix_cache, budget_bytes=int(cache_mb * MIB),
-            max_states=settings.prefix_states,
+            max_states=settings.prefix_states, kept=kept,
         )
         try:
             draft = load_draft_model(settings, pool, attention)
@@ -114,10 +117,12 @@ class Engine:
         return cls(settings, model, template, pool, cache, scheduler, async_engine, attention, reasoning,
                    lora, draft)
 
-    def close(self) -> None:
-        """Release the cache, then the contexts, then the model (the reverse of `load`)."""
+    def close(self, keep_cache: bool = False) -> PrefixCache | None:
+        """Release the cache (or, `keep_cache`, return it for a later `load` of the same file and
+        settings), then the contexts, then the model (the reverse of `load`)."""
         self.scheduler.release_all()
-        self.cache.release()
+        if not keep_cache:
+            self.cache.release()
         self.pool.close()
         if self.draft is not None:
             self.draft.close()
@@ -125,6 +130,7 @@ class Engine:
         if self.lora is not None:
             self.lora.close()
         self.model.close()
+        return self.cache if keep_cache else None
 
 
 def embedder_settings(settings: ModelSettings) -> ModelSettings:

@@ -10,7 +10,10 @@ Invariants:
 - at most `--models-max` models are loaded or loading, and their footprints together with the prefix
   cache's budget stay within `--models-mb`; a load that cannot make room is a 503 that says why;
 - loads and unloads run one at a time (`_lock`); a request for a loading model waits for that load;
-- a model that failed to load answers its requests with why, until its file changes; the others serve.
+- a model that failed to load answers its requests with why, until its file changes; the others serve;
+- an unloaded model keeps its prefix cache (`kept`) for its next load only while its file is the same
+  one (path, inode, size and mtime): rows never reach another file's model. At most `--models-max`
+  caches live at once, loaded or kept, each within `--prefix-state-mb / --models-max`.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.config import Settings
 from kvserve.llama.model import ModelLoadError
 from kvserve.scheduler.engine import Engine
@@ -41,13 +46,18 @@ class Status(str, Enum):
     LOADED = "loaded"
 
 
+FileId = tuple[str, int, int, int]  # a model file's target path, inode, size and mtime
+
+
 @dataclass(eq=False)
 class ServedModel:
     spec: ModelSpec
     engine: Engine | None = None
     loading: asyncio.Task | None = None
     error: str | None = None  # why the last load failed
-    failed_file: tuple[int, int] | None = None  # (size, mtime) of the file that failed: retried once it changes
+    failed_file: FileId | None = None  # the file that failed: retried once it changes
+    loaded_file: FileId | None = None  # the file its engine (or its kept cache) was read from
+    kept: PrefixCache | None = None  # its cache while unloaded, for its next load of `loaded_file`
     leases: int = 0
     last_used: float = 0.0  # monotonic
     keep_alive: float = 300.0  # seconds idle before it unloads; < 0 never
@@ -62,6 +72,11 @@ class ServedModel:
     @property
     def evictable(self) -> bool:
         return self.engine is not None and self.leases == 0 and not self.spec.pinned
+
+    def release_kept(self) -> None:
+        if self.kept is not None:
+            self.kept.release()
+            self.kept = None
 
     def expired(self, now: float) -> bool:
         return self.evictable and self.keep_alive >= 0 and now - self.last_used >= self.keep_alive
@@ -193,14 +208,18 @@ class ModelSet:
     async def _open(self, model: ServedModel) -> Engine:
         name = model.spec.name
         _log.info("loading model %s from %s", name, model.spec.settings.model)
+        kept = self._kept_for(model)
         anon = _anon_bytes()
         try:
-            engine = await asyncio.to_thread(Engine.load, model.spec.settings, self.settings, self.cache_mb)
+            engine = await asyncio.to_thread(Engine.load, model.spec.settings, self.settings, self.cache_mb, kept)
         except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
+            if kept is not None:
+                kept.release()
             model.error, model.failed_file = str(exc) or type(exc).__name__, _file_id(model)
             _log.error("model %s failed to load: %s", name, model.error)
             raise _load_failed(model) from None
         engine.async_engine.start()
+        model.loaded_file = _file_id(model)
         model.footprint = engine.model.info.size_bytes + max(engine.pool.ctx.kv_bytes, _anon_bytes() - anon)
         _log.info("model %s loaded (%s, %.0f MiB)", name, engine.kind, model.footprint / MIB)
         return engine
@@ -245,13 +264,25 @@ class ModelSet:
             await self._wait_loaded(model)
         return model
 
+    def _kept_for(self, model: ServedModel) -> PrefixCache | None:
+        """`model`'s kept cache where its file is unchanged (released otherwise), after releasing the
+        least recently used other kept caches until this load's cache fits `--models-max` caches."""
+        kept, model.kept = model.kept, None
+        if kept is not None and model.loaded_file != _file_id(model):
+            kept.release()
+            kept = None
+        others = sorted((m for m in self.models if m.kept is not None and m is not model), key=lambda m: m.last_used)
+        while others and len(self.loaded) + len(others) + 1 > self.settings.models_max:
+            others.pop(0).release_kept()
+        return kept
+
     async def _close(self, model: ServedModel) -> None:
         engine, model.engine = model.engine, None
         if engine is None:
             return
         _log.info("unloading model %s", model.spec.name)
         await engine.async_engine.stop()
-        await asyncio.to_thread(engine.close)
+        model.kept = await asyncio.to_thread(engine.close, True)
 
     # -- lifetime ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -282,6 +313,7 @@ class ModelSet:
         async with self._lock:
             for model in self.models:
                 await self._close(model)
+                model.release_kept()
 
     def describe(self, model: ServedModel) -> dict:
         """One model as GET /v1/models lists it, beside OpenAI's fields."""
@@ -301,17 +333,18 @@ def _load_failed(model: ServedModel) -> APIError:
                     code="model_load_failed")
 
 
-def _file_id(model: ServedModel) -> tuple[int, int] | None:
+def _file_id(model: ServedModel) -> FileId | None:
     try:
-        st = os.stat(model.spec.settings.model)
-    except (OSError, TypeError):
+        target = Path(model.spec.settings.model).resolve()
+        st = target.stat()
+    except (OSError, TypeError, RuntimeError):
         return None
-    return st.st_size, st.st_mtime_ns
+    return str(target), st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _file_bytes(model: ServedModel) -> int:
     found = _file_id(model)
-    return found[0] if found else 0
+    return found[2] if found else 0
 
 
 def _machine_bytes() -> int:
