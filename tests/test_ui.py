@@ -272,3 +272,32 @@ def test_no_ui_serves_neither_page_and_the_api_is_unchanged(tiny) -> None:
         for path in ("/", "/ui/cache", "/ui/static/playground.js"):
             assert httpx.get(f"{base}{path}").status_code == 200, path
         assert set(app.openapi()["paths"]) == without_ui  # the pages are not API
+
+
+def test_with_several_models_the_pages_pick_one(page, tiny, smollm2: Path, tmp_path: Path) -> None:
+    """The playground lists the chat models of /v1/models and sends to the one picked; the cache view
+    shows a loaded model's cache, picked among the loaded ones."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "smollm2.gguf").symlink_to(smollm2)
+    (folder / "tiny-llama.gguf").symlink_to(tiny("llama"))
+    with served(None, models_dir=folder, parallel=2, ctx_size=512, threads=1, prefix_state_mb=16) as (base, _):
+        page.goto(f"{base}/")
+        picker = page.locator("#model")
+        picker.locator("option", has_text="tiny-llama (unloaded)").wait_for(state="attached")
+        assert picker.locator("option").all_inner_texts() == ["smollm2 (unloaded)", "tiny-llama (unloaded)"]
+        picker.select_option("tiny-llama")
+        page.fill("#max_tokens", "4")
+        sent = _send(page, "Hello")
+        assert sent["request"]["model"] == "tiny-llama"
+        assert {e["model"] for e in sent["events"]} == {"tiny-llama"}
+        loaded = {m["id"]: m["status"]["value"] for m in httpx.get(f"{base}/v1/models").json()["data"]}
+        assert loaded == {"smollm2": "unloaded", "tiny-llama": "loaded"}
+        page.reload()
+        assert page.locator("#model").input_value() == "tiny-llama"  # the pick is remembered
+        page.goto(f"{base}/ui/cache")
+        page.locator("body[data-refreshes]").wait_for(state="attached")
+        cache_picker = page.locator("#model")
+        assert cache_picker.is_visible() and cache_picker.locator("option").all_inner_texts() == ["tiny-llama"]
+        page.locator("#store-text", has_text=re.compile(r"\S")).wait_for()
+        assert "not updated" not in page.locator("#updated").inner_text()

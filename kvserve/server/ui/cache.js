@@ -17,15 +17,38 @@ const COUNTERS = {
 const $ = (id) => document.getElementById(id);
 const samples = []; // { at, hit, queried, reuses, inplace }, oldest first, WINDOW_MS of them
 
-// The unlabelled samples of a Prometheus text exposition, by name.
-function parseMetrics(text) {
+// The samples of a Prometheus text exposition that carry no label but `model_name` (with several
+// models, each engine series has it), of `model` where they do, by name.
+function parseMetrics(text, model) {
   const values = {};
   for (const line of text.split("\n")) {
-    const match = /^([a-zA-Z_:][\w:]*) (\S+)$/.exec(line);
-    if (match) values[match[1]] = Number(match[2]);
+    const match = /^([a-zA-Z_:][\w:]*)(?:\{model_name="((?:[^"\\]|\\.)*)"\})? (\S+)$/.exec(line);
+    if (match && (match[2] === undefined || match[2] === model)) values[match[1]] = Number(match[3]);
   }
   return values;
 }
+
+// With several models, a picker of the loaded ones (the view never loads one); "" with one model.
+let model = "";
+async function pickModel() {
+  const response = await api("/v1/models");
+  if (!response.ok) return;
+  const models = (await response.json()).data.filter((m) => !m.parent);
+  const loaded = models.filter((m) => (m.status?.value ?? "loaded") === "loaded");
+  const picker = $("model");
+  picker.hidden = models.length < 2;
+  if (picker.hidden) return;
+  if (!loaded.some((m) => m.id === model)) {
+    model = loaded[0]?.id ?? "";
+    samples.length = 0;  // another model's counters
+  }
+  picker.replaceChildren(...loaded.map((m) => el("option", { value: m.id }, m.id)));
+  picker.value = model;
+}
+$("model").addEventListener("change", () => {
+  model = $("model").value;
+  samples.length = 0;
+});
 
 // The `n` entries ranking first by `better`, best first, without sorting all of them.
 function top(entries, n, better) {
@@ -111,13 +134,16 @@ function showRates() {
 async function refresh() {
   try {
     const asked = performance.now();
-    const [cache, metrics] = await Promise.all([api("/v1/cache"), api("/metrics")]);
+    await pickModel();
+    if (!$("model").hidden && !model) throw new Error("no model is loaded");
+    const query = model ? `?model=${encodeURIComponent(model)}` : "";
+    const [cache, metrics] = await Promise.all([api(`/v1/cache${query}`), api("/metrics")]);
     if (!cache.ok) throw new Error(await errorText(cache));
     if (!metrics.ok) throw new Error(await errorText(metrics));
     const view = await cache.json();
     const text = await metrics.text();
     const read = performance.now();
-    remember(parseMetrics(text));
+    remember(parseMetrics(text, model));
     showStore(view);
     showStreams(view.pool);
     showChains(view);

@@ -213,15 +213,26 @@ function restoreSettings() {
   }
 }
 
+// The models that chat (every model of /v1/models but embedding ones and LoRA adapters' entries), the
+// one last picked first; a model that is not loaded loads on the first message sent to it.
 async function showModel() {
   const response = await api("/v1/models");
   if (!response.ok) {
-    $("model").textContent = await errorText(response);
+    $("model").replaceChildren(el("option", {}, await errorText(response)));
     return;
   }
-  model = (await response.json()).data[0].id;
-  $("model").textContent = model;
+  const chat = (await response.json()).data.filter((m) => !m.parent && m.kind !== "embedding");
+  const label = (m) => (m.status?.value && m.status.value !== "loaded" ? `${m.id} (${m.status.value})` : m.id);
+  $("model").replaceChildren(...chat.map((m) => el("option", { value: m.id }, label(m))));
+  const saved = localStorage.getItem("kvserve.model");
+  model = chat.some((m) => m.id === saved) ? saved : chat[0]?.id ?? "any";
+  $("model").value = model;
 }
+
+$("model").addEventListener("change", () => {
+  model = $("model").value;
+  localStorage.setItem("kvserve.model", model);
+});
 
 $("composer").addEventListener("submit", (event) => {
   event.preventDefault();
