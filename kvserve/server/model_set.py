@@ -31,7 +31,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.config import Settings
-from kvserve.llama.model import ModelLoadError
 from kvserve.scheduler.engine import Engine
 from kvserve.server.catalog import ModelSpec, keep_alive_seconds
 from kvserve.server.errors import APIError
@@ -212,7 +211,7 @@ class ModelSet:
         anon = _anon_bytes()
         try:
             engine = await asyncio.to_thread(Engine.load, model.spec.settings, self.settings, self.cache_mb, kept)
-        except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
+        except Exception as exc:  # whatever a file makes llama.cpp or the engine refuse fails that model alone
             if kept is not None:
                 kept.release()
             model.error, model.failed_file = str(exc) or type(exc).__name__, _file_id(model)
@@ -300,12 +299,14 @@ class ModelSet:
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
             for model in self.models:
-                if model.expired(now):
+                if model.expired(time.monotonic()):
                     async with self._lock:
                         if model.expired(time.monotonic()):
-                            await self._close(model)
+                            try:
+                                await self._close(model)
+                            except Exception:
+                                _log.exception("unloading model %s failed", model.spec.name)
 
     async def close(self) -> None:
         if self._reaper is not None:
