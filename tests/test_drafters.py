@@ -1,12 +1,14 @@
-"""Drafters and draft lengths, without a model: what each drafter proposes, and that `auto` drafts
-only where a token's acceptance pays for its share of the step."""
+"""Drafters and draft lengths, without a model: what each drafter proposes, that `auto` drafts
+only where a token's acceptance pays for its share of the step, and that it stops drafting for a
+sequence whose drafted steps were measured slower than its others."""
 
 from __future__ import annotations
 
 from kvserve.cache.page_tree import PageTree
 from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import END, NgramDrafter, PredictionDrafter, RecentDrafter, Sequence, TreeDrafter
-from kvserve.scheduler.speculation import SpecConfig, SpecMode, SpecState, Speculator
+from kvserve.scheduler.speculation import (PAYOFF_MIN, PAYOFF_PROBE, Drop, Evidence, SpecConfig, SpecMode, SpecState,
+                                          Speculator, Watch)
 from kvserve.scheduler.ubatch_cost import UbatchCost
 
 
@@ -79,24 +81,6 @@ def _linear(a: float, b: float) -> UbatchCost:
     return UbatchCost({n: a + b * n for n in (1, 2, 4, 8, 16, 32, 64, 128, 512)})
 
 
-def test_ubatch_cost_interpolates_and_extends_the_timed_sizes() -> None:
-    cost = UbatchCost({1: 0.06, 4: 0.12, 8: 0.24, 16: 0.30})
-    assert abs(cost.ubatch(2) - 0.08) < 1e-9 and abs(cost.ubatch(12) - 0.27) < 1e-9
-    assert abs(cost.ubatch(20) - (0.30 + 4 * 0.06 / 8)) < 1e-9  # the last two sizes' slope
-    assert abs(cost.step([4, 16]) - 0.42) < 1e-9 and cost.per_key == 0
-
-
-def test_ubatch_cost_learns_the_machines_load_and_the_price_of_attention() -> None:
-    """Timed in an empty stream, the table misses what each token's attention to its context costs:
-    the steps the engine runs teach a scale for the table and a price per key read."""
-    cost = UbatchCost({1: 0.06, 4: 0.12, 8: 0.24, 16: 0.30})
-    for _ in range(300):
-        for sizes, keys in (([1], 100), ([8], 8000), ([4, 16], 3000), ([16], 20000)):
-            cost.observe(sizes, 2 * sum(cost.ubatch(n) for n in sizes) + 1e-5 * keys, keys)
-    assert abs(cost.scale - 2) < 1e-3 and abs(cost.per_key - 1e-5) < 1e-7
-    assert abs(cost.step([8], 8000) - (0.48 + 0.08)) < 1e-3
-
-
 def test_ubatches_follow_llama_cpps_split_of_a_batch_into_equal_runs() -> None:
     assert ubatch_sizes([(s, 1) for s in range(8)], 512) == [8]
     assert ubatch_sizes([(s, 3) for s in range(8)], 512) == [24]  # equal drafts on adjacent streams
@@ -131,7 +115,7 @@ def _states(n: int, repeating: range | None = None) -> list[tuple[SpecState, int
     for seq in range(n):
         tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3] if repeating is None or seq in repeating else list(range(10, 21))
         state = SpecState(Sequence(tokens, 3, seq=seq))
-        state.evidence["ngram"] = (8, 10)  # watched: n-grams guessed right here before
+        state.evidence["ngram"] = Evidence(8, 10)  # watched: n-grams guessed right here before
         states.append((state, 8))
     return states
 
@@ -157,9 +141,9 @@ def test_nothing_drafts_where_rows_cannot_be_cut() -> None:
 def test_auto_never_drafts_unlikely_tokens_even_where_tokens_seem_free() -> None:
     speculator = _speculator(a=0.05, b=0.0)
     state, limit = _states(1)[0]
-    state.evidence["ngram"] = (20, 100)
+    state.evidence["ngram"] = Evidence(20, 100)
     assert speculator.choose([(state, limit)], n_other=0)[0][0] == []
-    state.evidence["ngram"] = (90, 100)
+    state.evidence["ngram"] = Evidence(90, 100)
     assert len(speculator.choose([(state, limit)], n_other=0)[0][0]) >= 8 - 1
 
 
@@ -214,7 +198,7 @@ def _tiled(rate: float, draft_max: int = 16) -> list[int]:
     speculator = Speculator(SpecConfig(SpecMode.AUTO, draft_max=draft_max), None, can_cut=True)
     speculator.cost = UbatchCost({n: ms / 1000 for n, ms in _TILED.items()})
     state = SpecState(Sequence(list(range(40)), 40, prediction=list(range(40, 80))))
-    state.evidence["prediction"] = (1000 * rate, 1000)
+    state.evidence["prediction"] = Evidence(1000 * rate, 1000)
     return [len(draft) for draft, _ in speculator.choose([(state, 30)], n_other=0)]
 
 
@@ -234,22 +218,22 @@ def test_a_proposal_not_drafted_is_watched_and_teaches_acceptance_for_free() -> 
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
     state = SpecState(Sequence(tokens, 3, seq=0))
     assert speculator.choose([(state, 8)], n_other=0)[0][0] == []
-    assert state.watch == ("ngram", [4, 5, 6, 7, 8, 1, 2, 3], 11, 0)
-    assert state.rate("ngram", 0.9) == 0  # nothing watched yet: an n-gram is not drafted
+    assert state.watch == Watch("ngram", [4, 5, 6, 7, 8, 1, 2, 3], 11, 0)
+    assert state.rate(NgramDrafter(), 0.9) == 0  # nothing watched yet: an n-gram is not drafted
     tokens += [4, 5]
     speculator.choose([(state, 8)], n_other=0)
-    assert state.evidence["ngram"] == (2, 2) and state.watch[3] == 2  # credited as they come
-    assert state.rate("ngram", 0.9) == (2 + 0.9) / (2 + 1 + 1)  # the next one counted wrong until it comes
+    assert state.evidence["ngram"] == Evidence(2, 2) and state.watch.credited == 2  # credited as they come
+    assert state.rate(NgramDrafter(), 0.9) == (2 + 0.9) / (2 + 1 + 1)  # the next one counted wrong until it comes
     tokens += [9]
     speculator.choose([(state, 8)], n_other=0)
     stats = speculator.stats["ngram"]
     assert (stats.right, stats.trials, stats.drafted, stats.accepted) == (2, 3, 0, 0)
-    assert state.evidence["ngram"] == (2, 3)
+    assert state.evidence["ngram"] == Evidence(2, 3)
     for _ in range(10):  # the guesses keep coming true: the rate climbs until drafting pays
-        state.watch = ("ngram", [1, 2], len(tokens), 0)
+        state.watch = Watch("ngram", [1, 2], len(tokens))
         tokens += [1, 2]
         speculator._settle_watch(state)
-    assert state.rate("ngram", speculator.global_rate("ngram")) > 0.95
+    assert state.rate(NgramDrafter(), speculator.global_rate("ngram")) > 0.95
 
 
 def test_auto_drafts_an_ngram_only_after_watching_one_settle() -> None:
@@ -274,7 +258,7 @@ def test_auto_does_not_draft_ngrams_of_prose_that_repeats_a_word_at_a_time() -> 
     for word in range(20, 30):
         assert speculator.choose([(state, 8)], n_other=0)[0][0] == []
         tokens += [3, word, 1, 2]  # "1 2" -> 3 comes true, then the text goes its own way
-    assert 0 < state.evidence["ngram"][0] < 2
+    assert 0 < state.evidence["ngram"].right < 2
 
 
 def test_recent_drafts_an_earlier_answer_of_the_same_namespace_only() -> None:
@@ -307,12 +291,83 @@ def test_auto_asks_every_drafter_and_drafts_the_likeliest() -> None:
     speculator = _speculator(a=0.05, b=0.0005)
     speculator.finished(SpecState(Sequence([40, 41, 1, 2, 3, 50, 51, 52, 53], 5)))
     state, limit = _states(1)[0]  # its own text repeats: ngram guesses 4 5 6 ..., recent 50 51 ...
-    state.evidence["recent"] = (0.0, 4.0)  # recent's guesses were wrong here
+    state.evidence["recent"] = Evidence(0.0, 4.0)  # recent's guesses were wrong here
     assert speculator.choose([(state, limit)], n_other=0)[0][1] == "ngram"
-    state.evidence["recent"], state.evidence["ngram"] = (8.0, 8.0), (1.0, 4.0)
+    state.evidence["recent"], state.evidence["ngram"] = Evidence(8.0, 8.0), Evidence(1.0, 4.0)
     assert speculator.choose([(state, limit)], n_other=0)[0] == ([50, 51, 52, 53], "recent")
     fresh, _ = _states(1)[0]
     fresh.evidence.clear()  # nothing trusted yet: the least watched is watched, not drafted
-    fresh.evidence["ngram"] = (0.0, 2.0)
+    fresh.evidence["ngram"] = Evidence(0.0, 2.0)
     assert speculator.choose([(fresh, limit)], n_other=0)[0] == ([], "recent")
-    assert fresh.watch is not None and fresh.watch[0] == "recent"
+    assert fresh.watch is not None and fresh.watch.drafter == "recent"
+
+
+# -- whether drafting pays, measured per sequence ------------------------------------------------------
+
+class _Wrong(PredictionDrafter):
+    """A prediction the output never follows: four guesses at every step."""
+
+    def propose(self, sequence: Sequence, k: int) -> list[int]:
+        return [0] * min(k, 4)
+
+
+class _Unlearnt(UbatchCost):
+    """A table that says a draft token costs a step almost nothing, and never learns otherwise."""
+
+    def observe(self, sizes: list[int], seconds: float, keys: int = 0) -> None:
+        pass
+
+
+def _measured(follows: bool = False) -> tuple[Speculator, SpecState]:
+    """`auto` drafting `_Wrong`'s guesses for one sequence, its drafter right for other sequences,
+    on a table that prices a draft token at 1% of a step."""
+    speculator = Speculator(SpecConfig(SpecMode.AUTO, draft_max=8), None, can_cut=True)
+    speculator.cost = _Unlearnt({n: 0.05 + 0.0005 * n for n in (1, 2, 4, 8, 16)})
+    speculator.drafters = [_Wrong()]
+    speculator.stats["prediction"].right, speculator.stats["prediction"].trials = 990, 1000
+    return speculator, SpecState(Sequence(list(range(10, 20)), 10, seq=0))
+
+
+def _run_step(speculator: Speculator, state: SpecState, right: bool = False) -> int:
+    """One step as the scheduler runs it, whose draft tokens cost 40% of a step each, measured: the
+    draft's length. The output takes the guess (`right`) or another token."""
+    (draft, drafter), = speculator.choose([(state, 8)], n_other=0)
+    speculator.timed([1 + len(draft)], 0.05 + 0.02 * len(draft), 0, [(state, bool(draft))])
+    accepted = len(draft) if right else 0
+    if draft:
+        speculator.record(state, drafter, len(draft), accepted)
+    state.sequence.tokens += [0] * accepted + [0 if right else 1]
+    return len(draft)
+
+
+def test_a_sequence_whose_drafts_do_not_pay_stops_drafting() -> None:
+    """Whatever the table says: drafts always rejected, each costing its step 40%, the sequence's
+    drafted steps give fewer tokens per second than its undrafted ones (some timed on purpose), and
+    it stops drafting within a few steps, for good while its watched guesses keep failing."""
+    speculator, state = _measured()
+    drafts = [_run_step(speculator, state) for _ in range(60)]
+    stopped = next((i for i in range(len(drafts)) if not any(drafts[i:])), None)  # no draft from here on
+    assert stopped is not None and 0 < stopped <= 10, drafts
+    assert state.payoff.needed is not None and state.payoff.needed > 0
+    dropped = speculator.stats["prediction"].dropped
+    assert dropped[Drop.MEASURED] >= 40 and speculator.describe()["dropped_drafts"]["prediction"]["measured"] >= 40
+
+
+def test_a_stopped_sequence_drafts_again_once_its_watched_guesses_come_true() -> None:
+    speculator, state = _measured()
+    for _ in range(20):
+        _run_step(speculator, state)
+    assert state.payoff.needed is not None
+    drafts = [_run_step(speculator, state, right=True) for _ in range(20)]
+    assert sum(drafts[:10]) > 0 and sum(drafts[-5:]) >= 5 * 4, drafts  # it drafts, and its drafts pay
+    assert state.payoff.needed is None
+
+
+def test_a_sequence_that_drafts_every_step_times_a_step_without_now_and_then() -> None:
+    """Drafts always right from its first step: it times a few steps without a draft to compare
+    with, then one in `PAYOFF_PROBE`; drafting pays, so it goes on."""
+    speculator, state = _measured()
+    drafts = [_run_step(speculator, state, right=True) for _ in range(100)]
+    plain = [i for i, n in enumerate(drafts) if n == 0]
+    assert PAYOFF_MIN <= len(plain) <= PAYOFF_MIN + 100 // PAYOFF_PROBE, drafts
+    assert sum(speculator.stats["prediction"].dropped.values()) == 0  # timing a step is no judgement

@@ -27,7 +27,7 @@ from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.sampling import Sampling
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.speculation import SpecConfig, SpecMode
-from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES, UbatchCost
+from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES, LEARNT, UbatchCost
 from kvserve.testing.tiny_models import TINY_SWA
 
 # Text that repeats (prompt lookup drafts well) and text that does not (drafts get rejected).
@@ -396,6 +396,7 @@ def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:
         accepted = [line for line in metrics.splitlines()
                     if line.startswith('kvserve_spec_accepted_tokens_total{drafter="prediction"}')]
         assert accepted and float(accepted[0].split()[-1]) == details["accepted_prediction_tokens"]
+        assert 'kvserve_spec_dropped_drafts_total{drafter="ngram",reason="measured"}' in metrics
         bad = httpx.post(f"{url}/v1/chat/completions", json={**body, "prediction": {"type": "file"}}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
 
@@ -407,3 +408,16 @@ def test_auto_times_each_ubatch_size_at_start_and_leaves_every_stream_empty(smol
         assert table[64] > table[1]
         ctx = e.pool.ctx
         assert all(ctx.seq_pos_max(seq) == -1 for seq in range(ctx.n_seq_max))
+
+
+def test_auto_learns_the_step_prices_while_it_serves(smollm2) -> None:
+    """The table timed at start is a prior: the steps served price the sizes they use, and
+    /server_info's `speculative` shows the live prices, the samples behind each, and the drafts
+    dropped, by why."""
+    with engine(smollm2, speculative="auto", **SMALL) as e:
+        started = dict(e.scheduler.speculator.cost.table)
+        run(e, [request(e.model, p) for p in [*PROMPTS, PHRASES]])
+        info = e.scheduler.speculator.describe()
+    learnt = [n for n, k in info["ubatch_samples"].items() if k >= LEARNT]
+    assert learnt and any(info["ubatch_seconds"][n] != round(started.get(int(n), -1), 5) for n in learnt), info
+    assert set(info["dropped_drafts"]["ngram"]) == {"unlikely", "priced", "measured"}

@@ -47,6 +47,8 @@ def check_draft_model(target: Model, draft: Model) -> None:
 
 class DraftModel:
     name = "draft"
+    prior = 0.6
+    watch_first = False
 
     def __init__(self, path: Path, target: Context, n_threads: int, flash_attn: FlashAttn = "auto") -> None:
         self.model = Model(path)
@@ -67,7 +69,7 @@ class DraftModel:
 
     def describe(self) -> dict:
         return {"draft_model": self.path, "draft_model_name": Path(self.path).stem,
-                "draft_step_seconds": {str(n): round(self.cost.step([n]), 5) for n in sorted(self.cost.table)},
+                "draft_step_seconds": {str(n): round(t, 5) for n, (t, _) in self.cost.entries().items()},
                 "draft_catchup_tokens": self.catchup_tokens}
 
     # -- following the target streams ----------------------------------------------------------------

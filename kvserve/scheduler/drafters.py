@@ -43,9 +43,18 @@ class Sequence:
     copiers: dict[str, "_Copier"] = field(default_factory=dict)
 
 
-class Drafter(Protocol):
-    name: str
+class DrafterKind(Protocol):
+    """What the speculator knows of a drafter (a draft model's too) beside its guesses: the next
+    drafter is a class with these, and nothing else names it."""
 
+    name: str  # in metrics, /server_info and each sequence's evidence
+    prior: float  # its tokens' acceptance before any was verified (optimistic enough to be tried)
+    # it guesses from text alone: `auto` drafts it for a sequence only once it watched its proposals
+    # come true there (a prediction is the client's word, a tree draft this very context's)
+    watch_first: bool
+
+
+class Drafter(DrafterKind, Protocol):
     def propose(self, sequence: Sequence, k: int) -> list[int]: ...
 
 
@@ -162,6 +171,8 @@ class NgramDrafter:
     """Prompt lookup over the sequence's own tokens, followed as a copy (`_Copy`)."""
 
     name = "ngram"
+    prior = 0.5
+    watch_first = True
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -182,6 +193,8 @@ class PredictionDrafter:
     again by n-gram after the output departs from it."""
 
     name = "prediction"
+    prior = 0.8
+    watch_first = False
 
     def __init__(self, min_n: int = 1, max_n: int = 6) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -207,6 +220,8 @@ class TreeDrafter:
     of earlier requests, following the most reused child where requests went different ways."""
 
     name = "tree"
+    prior = 0.7
+    watch_first = False
 
     def __init__(self, tree: PageTree) -> None:
         self.tree = tree
@@ -224,6 +239,8 @@ class RecentDrafter:
     full), and at most `max_namespaces` pools are kept (the least recently added to dropped)."""
 
     name = "recent"
+    prior = 0.5
+    watch_first = True
 
     def __init__(self, min_n: int = 3, max_n: int = 4, max_tokens: int = 8192, max_namespaces: int = 16) -> None:
         self.min_n, self.max_n = min_n, max_n

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvserve.cache.chat_marks import Mark, MarkKind
 from kvserve.cache.kv_pool import Session
@@ -15,6 +15,9 @@ from kvserve.llama.lora import BASE, AdapterSet
 from kvserve.llama.sampler import Sampler, SamplingParams, TokenLogprobs
 from kvserve.scheduler.stop_strings import StopMatcher
 from kvserve.scheduler.thinking import ThinkingLimit, ThinkingWatch
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.speculation import SpecState
 
 
 class FinishReason(str, enum.Enum):
@@ -95,7 +98,7 @@ class Choice:
     forked: bool = False  # it shares choice 0's prompt cells, so it never donates them
     n_generated: int = 0
     finish_reason: FinishReason | None = None
-    spec: Any = None  # the speculator's `SpecState` of this choice, once it drafted for it
+    spec: SpecState | None = None  # the speculator's view of this choice, once it drafted for it
 
     @property
     def unevaluated(self) -> int:

@@ -200,7 +200,8 @@ class Scheduler:
             if all(s.n_tokens == 1 for s in slots):  # decodes and drafts only: what drafts are priced against
                 ubatches = ubatch_sizes([(s.choice.session.seq, s.n_decoded) for s in slots], self.pool.ctx.n_ubatch)
                 keys = sum(attended_keys(s.choice.session.n_past, s.n_decoded) for s in slots)
-                self.speculator.cost.observe(ubatches, time.perf_counter() - started, keys)
+                drafted = [(s.choice.spec, bool(s.draft)) for s in slots if s.choice.spec is not None]
+                self.speculator.timed(ubatches, time.perf_counter() - started, keys, drafted)
         except NoKvSlot:
             self.planner.shed_load(outputs)  # llama.cpp saw less room than our count: shed load and retry
             return False

@@ -11,7 +11,7 @@ drafter's guess can change how fast tokens come, never which.
 Choosing k (mode `auto`; a fixed drafter, `ngram`, `tree` or `draft`, drafts all it guesses up to
 `--draft-max`): llama.cpp splits a step into ubatches that take the same number of tokens from a run
 of adjacent streams (`ubatch_sizes`), and a ubatch's cost is a table by its tokens (`UbatchCost`,
-timed on the context at start and kept current by the steps it runs): on a CPU it is not a line
+learnt from the steps it runs, a timing at start its prior): on a CPU it is not a line
 (tiles make 4 tokens cost about what 3 do). A draft token that the target accepts with chance `p`
 (the j-th with `p ** j`) adds that many expected tokens; the speculator keeps of each draft the
 length that gives the step the most expected tokens per second: the best equal length for all
@@ -22,8 +22,17 @@ Acceptance is measured per drafter and per sequence, on the drafts verified and,
 proposals not drafted: such a proposal is watched (`SpecState.watch`) and compared with the output
 as it comes. So `auto` learns that prose repeats little without paying a step to find out, and
 drafts again where a sequence starts to repeat. A sequence drafts n-grams only once its watched
-proposals came true for a run of tokens (`WATCH_FIRST`, `WATCH_RIGHT`): another request's text
-repeating says little of this one's, and prose repeats a word or two of its prompt.
+proposals came true for a run of tokens (a drafter's `watch_first`, `WATCH_RIGHT`): another
+request's text repeating says little of this one's, and prose repeats a word or two of its prompt.
+
+Whether drafting paid is measured too, per sequence (`Payoff`): the tokens per second of its
+drafted steps against its undrafted ones', both timed. Where drafting did not pay over its last
+steps, `auto` drafts nothing more for it (its proposals are watched) until the proposals it watches
+come true by as many tokens as a draft would have needed; a sequence that drafts every step skips
+one draft in `PAYOFF_PROBE` to time a step without. So whatever the cost table says, a sequence
+runs below `off` for a few steps at a time, never for long. (A step's seconds are everyone's: a
+draft that pays its own sequence may still slow the others more than it gains; that part is the
+cost table's to weigh.) Each proposal `auto` drafts none of is counted by why (`Drop`).
 
 A draft model (`--draft-model`, `DraftModel`, mode `draft` only) drafts, in one batch, every
 sequence that has no `prediction` to draft from, to `--draft-max`. `auto` does not ask it: on 2 CPU
@@ -34,19 +43,25 @@ Invariants:
 - a draft never runs past the sequence's stream, its `max_tokens` or the longest sequence allowed;
 - nothing drafts for a model whose rows cannot be cut (a recurrent state, `KvManager.cuts_rows`);
   a sliding-window model drafts, and each cut asks its stream (`KvManager.commit`);
-- the step's tokens stay within the token budget.
+- the step's tokens stay within the token budget;
+- in `auto`, a sequence whose `Payoff` says drafting did not pay, or that times a step without a
+  draft, drafts nothing;
+- the drafters' stats (`stats`) have one entry per drafter, set at start: metrics read them live.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+import statistics
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.batch import ubatch_sizes
-from kvserve.scheduler.drafters import Drafter, NgramDrafter, PredictionDrafter, RecentDrafter, Sequence, TreeDrafter
+from kvserve.scheduler.drafters import (Drafter, DrafterKind, NgramDrafter, PredictionDrafter, RecentDrafter,
+                                        Sequence, TreeDrafter)
 from kvserve.scheduler.ubatch_cost import UbatchCost, attended_keys
 
 if TYPE_CHECKING:
@@ -61,8 +76,14 @@ class SpecMode(str, enum.Enum):
     DRAFT = "draft"  # a draft model (`--draft-model`), after a request's prediction
 
 
-# A drafter's acceptance before any of its drafts was verified (optimistic enough to be tried).
-PRIOR_ACCEPTANCE = {"prediction": 0.8, "tree": 0.7, "ngram": 0.5, "recent": 0.5, "draft": 0.6}
+class Drop(str, enum.Enum):
+    """Why `auto` drafted none of a proposal (`kvserve_spec_dropped_drafts_total`)."""
+
+    UNLIKELY = "unlikely"  # no token of it likely enough (`MIN_GAIN`), or its drafter not yet watched
+    PRICED = "priced"  # the cost table prices the step faster without it
+    MEASURED = "measured"  # this sequence's drafted steps were slower, in tokens per second, than its others
+
+
 # A draft token less likely than this to be accepted is never drafted, whatever the priced cost says:
 # a price from noisy steps can make a token look free, and rejected rows are never free.
 MIN_GAIN = 0.25
@@ -72,12 +93,18 @@ _LENGTHS = (*range(1, 9), 10, 12, 15, 16, 23, 24, 31, 32, 47, 48, 63, 64)
 # A sequence's evidence of a drafter's acceptance fades by this much at each new settlement, so
 # that its rate follows where its text starts or stops repeating.
 EVIDENCE_DECAY = 0.5
-# Drafters that guess from text alone: `auto` drafts their proposals for a sequence only once it has
-# watched one of them settle (a prediction is the client's word, a tree draft this very context's).
-WATCH_FIRST = frozenset({"ngram", "recent"})
-# ... and only while that evidence holds this many right tokens (faded): prose repeats a word or two
-# of its prompt, an edit's answer a run of lines.
+# `auto` drafts a `watch_first` drafter's proposals for a sequence only while its evidence there
+# holds this many right tokens (faded): prose repeats a word or two of its prompt, an edit's answer
+# a run of lines.
 WATCH_RIGHT = 2.0
+# The per-sequence check that drafting pays (`Payoff`): the drafted steps it weighs (it decides
+# once it has PAYOFF_MIN of them) and the undrafted ones it weighs them against; a sequence that
+# drafts every step skips one draft after each PAYOFF_PROBE drafted steps, to time a step without.
+PAYOFF_DRAFTED = 8
+PAYOFF_PLAIN = 4
+PAYOFF_MIN = 3
+PAYOFF_PROBE = 32
+
 
 @dataclass
 class DrafterStats:
@@ -88,31 +115,121 @@ class DrafterStats:
     # right, and those plus the wrong ones that ended them
     right: int = 0
     trials: int = 0
+    # proposals `auto` drafted none of, by why (every reason from the start, at 0)
+    dropped: dict[Drop, int] = field(default_factory=lambda: dict.fromkeys(Drop, 0))
+
+
+@dataclass
+class Evidence:
+    """A sequence's draft tokens from one drafter that were right, and those plus the wrong ones
+    that ended them, faded."""
+
+    right: float = 0.0
+    trials: float = 0.0
+
+    def add(self, right: int, wrong: bool, fade: bool) -> None:
+        keep = EVIDENCE_DECAY if fade else 1.0
+        self.right, self.trials = keep * self.right + right, keep * self.trials + right + wrong
+
+
+@dataclass
+class Watch:
+    """A proposal not drafted, compared with the output as it comes."""
+
+    drafter: str
+    draft: list[int]
+    start: int  # where in the sequence's tokens it starts
+    credited: int = 0  # its tokens already learnt from
+
+
+@dataclass(frozen=True)
+class Proposal:
+    draft: list[int]
+    drafter: str
+    rate: float  # each token's chance of acceptance, given the one before
+
+
+NO_PROPOSAL = Proposal([], "", 0.0)
+
+
+@dataclass
+class Payoff:
+    """Whether drafting pays one sequence, measured rather than priced: the mean tokens of its last
+    drafted steps over their median seconds, against one token over the median seconds of its last
+    undrafted ones (each step's seconds its `llama_decode`'s; steps with prompt chunks are not
+    timed). Tokens are counted, so only the seconds need a median against a slow step. Where
+    drafting did not pay, the sequence stops (`needed`: the accepted tokens a draft would have
+    needed) until the proposals it then watches come true by that many tokens on average."""
+
+    drafted: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PAYOFF_DRAFTED))
+    plain: deque[float] = field(default_factory=lambda: deque(maxlen=PAYOFF_PLAIN))
+    watched: deque[int] = field(default_factory=lambda: deque(maxlen=PAYOFF_MIN))  # right tokens, while stopped
+    needed: float | None = None
+    since_plain: int = 0  # drafted steps since its last undrafted one
+    pending: float | None = None  # the seconds of the step whose draft is being verified
+
+    @property
+    def probing(self) -> bool:
+        """It drafts none this step, to time a step without a draft."""
+        return len(self.plain) < PAYOFF_MIN <= len(self.drafted) or self.since_plain >= PAYOFF_PROBE
+
+    def may_draft(self) -> bool:
+        return self.needed is None and not self.probing
+
+    def timed(self, seconds: float, drafted: bool) -> None:
+        if drafted:
+            self.pending = seconds
+        else:
+            self.plain.append(seconds)
+            self.since_plain = 0
+
+    def verified(self, tokens: int) -> None:
+        """The draft of the step last timed gave `tokens` tokens (the correction among them)."""
+        if self.pending is None:
+            return
+        self.drafted.append((tokens, self.pending))
+        self.pending = None
+        self.since_plain += 1
+        if len(self.drafted) < PAYOFF_MIN or len(self.plain) < PAYOFF_MIN:
+            return
+        tokens_per_step = statistics.mean(n for n, _ in self.drafted)
+        slower = statistics.median(t for _, t in self.drafted) / statistics.median(self.plain)
+        if tokens_per_step < slower:
+            self.needed = slower - 1
+            self.drafted.clear()
+            self.watched.clear()
+
+    def settled(self, right: int) -> None:
+        """A watched proposal came true for `right` tokens, then departed from the output or ended."""
+        if self.needed is None:
+            return
+        self.watched.append(right)
+        if len(self.watched) == PAYOFF_MIN and statistics.mean(self.watched) >= self.needed:
+            self.needed = None
 
 
 @dataclass
 class SpecState:
-    """One choice's view for drafters and its measured acceptance per drafter."""
+    """One choice's view for drafters, its measured acceptance per drafter, and whether drafting
+    paid it."""
 
     sequence: Sequence
-    # per drafter: the draft tokens that were right and those plus the wrong ones, faded
-    evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
+    evidence: dict[str, Evidence] = field(default_factory=dict)  # by drafter
     prediction_accepted: int = 0
     prediction_rejected: int = 0
-    # a proposal not drafted, compared with the output as it comes: drafter, tokens, where it starts
-    watch: tuple[str, list[int], int, int] | None = None  # and how many of its tokens are credited
+    watch: Watch | None = None
+    payoff: Payoff = field(default_factory=Payoff)
 
-    def rate(self, drafter: str, global_rate: float) -> float:
+    def rate(self, drafter: DrafterKind, global_rate: float) -> float:
         """Each draft token's chance, given the one before: this sequence's evidence, the drafter's
         rate over all sequences counting as one token of it, and a watched proposal's next token as
-        wrong until it comes true; 0 for a `WATCH_FIRST` drafter until this sequence's evidence
+        wrong until it comes true; 0 for a `watch_first` drafter until this sequence's evidence
         of it holds `WATCH_RIGHT` right tokens."""
-        right, trials = self.evidence.get(drafter, (0.0, 0.0))
-        if drafter in WATCH_FIRST and right < WATCH_RIGHT:
+        evidence = self.evidence.get(drafter.name, Evidence())
+        if drafter.watch_first and evidence.right < WATCH_RIGHT:
             return 0.0
-        if self.watch is not None and self.watch[0] == drafter:
-            trials += 1  # the watched proposal's next token: not yet known to come true
-        return (right + global_rate) / (trials + 1)
+        watched = self.watch is not None and self.watch.drafter == drafter.name  # its next token: not yet known
+        return (evidence.right + global_rate) / (evidence.trials + watched + 1)
 
 
 @dataclass(frozen=True)
@@ -130,7 +247,6 @@ class Speculator:
         if self.enabled and config.mode is SpecMode.DRAFT and draft_model is None:
             raise ValueError("--speculative draft needs --draft-model")
         self.cost = UbatchCost()
-        self.stats: dict[str, DrafterStats] = {}
         ngram, prediction = NgramDrafter(), PredictionDrafter()
         self.recent = RecentDrafter()  # fed by `finished`; auto only
         drafters: dict[SpecMode, list[Drafter]] = {
@@ -142,53 +258,78 @@ class Speculator:
         self.drafters = drafters.get(config.mode, []) if self.enabled else []
         # the draft model, asked after a prediction for the sequences without one
         self.draft_model = draft_model if self.enabled and config.mode is SpecMode.DRAFT else None
-        for drafter in [*self.drafters, *([draft_model] if self.draft_model else [])]:
-            self.stats[drafter.name] = DrafterStats()
+        kinds: list[DrafterKind] = [*self.drafters, *([self.draft_model] if self.draft_model else [])]
+        self.by_name = {kind.name: kind for kind in kinds}
+        self.stats = {name: DrafterStats() for name in self.by_name}  # keys fixed here: metrics read them live
 
     def describe(self) -> dict:
-        """What /server_info says of speculation."""
-        model = self.draft_model
+        """What /server_info says of speculation: what drafts, and the live step prices it drafts by."""
+        model, entries = self.draft_model, self.cost.entries()
         return {"mode": self.config.mode.value, "enabled": self.enabled, "draft_max": self.config.draft_max,
-                "drafters": [d.name for d in self.drafters] + ([model.name] if model else []),
-                "ubatch_seconds": {str(n): round(t, 5) for n, t in sorted(self.cost.table.items()) if n <= 64},
+                "drafters": list(self.by_name),
+                "ubatch_seconds": {str(n): round(t, 5) for n, (t, _) in entries.items() if n <= 64},
+                "ubatch_samples": {str(n): k for n, (_, k) in entries.items() if n <= 64},
                 "ubatch_scale": round(self.cost.scale, 3), "seconds_per_key": self.cost.per_key,
+                "dropped_drafts": {name: {d.value: k for d, k in s.dropped.items()} for name, s in self.stats.items()},
                 **(model.describe() if model else {})}
 
     def global_rate(self, drafter: str) -> float:
         stats = self.stats[drafter]
-        prior = PRIOR_ACCEPTANCE.get(drafter, 0.5)
-        return (stats.right + 4 * prior) / (stats.trials + 4)
+        return (stats.right + 4 * self.by_name[drafter].prior) / (stats.trials + 4)
+
+    def timed(self, sizes: list[int], seconds: float, keys: int, steps: list[tuple[SpecState, bool]]) -> None:
+        """A step of decodes and drafts only, of ubatches of `sizes` attending to `keys` keys, took
+        `seconds`: a price for the cost table, and for each decoding sequence (its state, and whether
+        it drafted) a step to weigh whether drafting pays it."""
+        self.cost.observe(sizes, seconds, keys)
+        for state, drafted in steps:
+            state.payoff.timed(seconds, drafted)
 
     def choose(self, candidates: list[tuple[SpecState, int]], n_other: int) -> list[tuple[list[int], str]]:
         """Drafts for `candidates` (a state and the most draft tokens its stream, limits and the
         budget allow; one per decoding sequence), for a step that also carries `n_other` prompt
         tokens. `auto` keeps of each draft the length that gives the step the most expected tokens
-        per second (`_best_lengths`); a proposal it keeps none of is watched instead (`SpecState.watch`)."""
+        per second (`_best_lengths`), none where drafting was measured not to pay this sequence
+        (`Payoff`); a proposal it keeps none of is watched instead (`SpecState.watch`)."""
         for state, _ in candidates:
             self._settle_watch(state)
         proposals = [self._propose(state, min(limit, self.config.draft_max)) for state, limit in candidates]
         if self.draft_model is not None:
             self._draft_with_model(candidates, proposals)
         if self.config.mode is not SpecMode.AUTO:
-            return [(draft, name) for draft, name, _ in proposals]  # a fixed drafter drafts all it can
+            return [(p.draft, p.drafter) for p in proposals]  # a fixed drafter drafts all it can
+        held = [not state.payoff.may_draft() for state, _ in candidates]
+        weighed = [replace(p, rate=0.0) if hold else p for p, hold in zip(proposals, held)]
         seqs = [state.sequence.seq for state, _ in candidates]
         n_past = [len(state.sequence.tokens) - 1 for state, _ in candidates]  # the last token is decoded now
-        keep = self._best_lengths(seqs, n_past, proposals, n_other)
-        for (state, _), (draft, name, _), n in zip(candidates, proposals, keep):
+        keep = self._best_lengths(seqs, n_past, weighed, n_other)
+        for (state, _), p, n in zip(candidates, proposals, keep):
             if n:
                 state.watch = None
-            elif draft and state.watch is None:
-                state.watch = (name, draft, len(state.sequence.tokens), 0)
-        return [(draft[:n], name) for (draft, name, _), n in zip(proposals, keep)]
+            elif p.draft:
+                if state.watch is None:
+                    state.watch = Watch(p.drafter, p.draft, len(state.sequence.tokens))
+                self._count_drop(state, p)
+        return [(p.draft[:n], p.drafter) for p, n in zip(proposals, keep)]
 
-    def _best_lengths(self, seqs: list[int], n_past: list[int], proposals: list[tuple[list[int], str, float]],
-                      n_other: int) -> list[int]:
+    def _count_drop(self, state: SpecState, p: Proposal) -> None:
+        if _useful_length(p.rate, len(p.draft)) == 0:
+            reason = Drop.UNLIKELY
+        elif state.payoff.needed is not None:
+            reason = Drop.MEASURED
+        elif state.payoff.probing:
+            return  # timing a step without a draft: no judgement of this one
+        else:
+            reason = Drop.PRICED
+        self.stats[p.drafter].dropped[reason] += 1
+
+    def _best_lengths(self, seqs: list[int], n_past: list[int], proposals: list[Proposal], n_other: int) -> list[int]:
         """How much of each proposal to draft: the best equal length for all (equal drafts on
         adjacent streams share ubatches), then each sequence's best length with the others fixed,
         by expected tokens per second of step (`UbatchCost`). A draft token less likely than
         `MIN_GAIN` is never drafted."""
-        rates = [rate for _, _, rate in proposals]
-        caps = [_useful_length(rate, len(draft)) for draft, _, rate in proposals]
+        rates = [p.rate for p in proposals]
+        caps = [_useful_length(p.rate, len(p.draft)) for p in proposals]
         if not any(caps):
             return caps
 
@@ -212,33 +353,34 @@ class Speculator:
         keys = sum(attended_keys(n, 1 + k) for n, k in zip(n_past, drafts))
         return self.cost.step(sizes + [self.n_ubatch] * full + ([rest] if rest else []), keys)
 
-    def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[tuple[list[int], str, float]]) -> None:
+    def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[Proposal]) -> None:
         """The draft model's guesses, in one batch, for the candidates without a proposal (mode
         `draft`, which drafts all it guesses: no acceptance rate is weighed)."""
         model = self.draft_model
         assert model is not None
         wanting = [i for i, (state, limit) in enumerate(candidates)
-                   if not proposals[i][0] and min(limit, self.config.draft_max) > 0]
+                   if not proposals[i].draft and min(limit, self.config.draft_max) > 0]
         if not wanting:
             return
         wants = [(candidates[i][0].sequence.seq, candidates[i][0].sequence.tokens,
                   min(candidates[i][1], self.config.draft_max)) for i in wanting]
         for i, draft in zip(wanting, model.draft(wants)):
-            proposals[i] = (draft, model.name, 0.0)
+            proposals[i] = Proposal(draft, model.name, 0.0)
 
-    def _propose(self, state: SpecState, k: int) -> tuple[list[int], str, float]:
+    def _propose(self, state: SpecState, k: int) -> Proposal:
         """A fixed drafter's mode: the first drafter with a guess, in order (a request's prediction
         first). `auto`: of the drafters with a guess, the one whose tokens this sequence finds the
-        likeliest; where none is trusted yet (`WATCH_FIRST`), the one it watched least, first in
+        likeliest; where none is trusted yet (`watch_first`), the one it watched least, first in
         order on a tie."""
         found = []
         for drafter in self.drafters if k > 0 else ():
             draft = drafter.propose(state.sequence, k)
             if draft:
-                found.append((draft, drafter.name, state.rate(drafter.name, self.global_rate(drafter.name))))
+                found.append(Proposal(draft, drafter.name, state.rate(drafter, self.global_rate(drafter.name))))
                 if self.config.mode is not SpecMode.AUTO:
                     break
-        return max(found, key=lambda f: (f[2], -state.evidence.get(f[1], (0.0, 0.0))[1]), default=([], "", 0.0))
+        return max(found, key=lambda p: (p.rate, -state.evidence.get(p.drafter, Evidence()).trials),
+                   default=NO_PROPOSAL)
 
     def finished(self, state: SpecState) -> None:
         """A sequence ended (not failed): its answer joins its namespace's recent answers."""
@@ -253,7 +395,8 @@ class Speculator:
         stats.drafted += drafted
         stats.accepted += accepted
         self._learn(state, drafter, accepted, accepted < drafted)
-        if drafter == "prediction":
+        state.payoff.verified(1 + accepted)
+        if drafter == PredictionDrafter.name:
             state.prediction_accepted += accepted
             state.prediction_rejected += drafted - accepted
 
@@ -261,15 +404,19 @@ class Speculator:
         """Learn from a proposal that was watched, not drafted, as the output confirms its tokens
         (each is credited once, so drafting can resume while it still agrees) and once the output
         departs from it: what the target would have accepted, measured for free."""
-        if state.watch is None:
+        watch = state.watch
+        if watch is None:
             return
-        drafter, draft, start, credited = state.watch
-        since = state.sequence.tokens[start:]
-        n = common_prefix(since, draft)
-        ended = n < len(since) or n == len(draft)
-        if n > credited or ended:
-            self._learn(state, drafter, n - credited, ended and n < len(draft), fade=not credited)
-        state.watch = None if ended else (drafter, draft, start, n)
+        since = state.sequence.tokens[watch.start:]
+        n = common_prefix(since, watch.draft)
+        ended = n < len(since) or n == len(watch.draft)
+        if n > watch.credited or ended:
+            wrong = ended and n < len(watch.draft)
+            self._learn(state, watch.drafter, n - watch.credited, wrong, fade=not watch.credited)
+        watch.credited = n
+        if ended:
+            state.watch = None
+            state.payoff.settled(n)
 
     def _learn(self, state: SpecState, drafter: str, right: int, wrong: bool, fade: bool = True) -> None:
         """`right` draft tokens in a row came true, then one did not (`wrong`) or none was left: each
@@ -278,9 +425,7 @@ class Speculator:
         stats = self.stats[drafter]
         stats.trials += right + wrong
         stats.right += right
-        had_right, had_trials = state.evidence.get(drafter, (0.0, 0.0))
-        keep = EVIDENCE_DECAY if fade else 1.0
-        state.evidence[drafter] = (keep * had_right + right, keep * had_trials + right + wrong)
+        state.evidence.setdefault(drafter, Evidence()).add(right, wrong, fade)
 
 
 def _useful_length(rate: float, n: int) -> int:

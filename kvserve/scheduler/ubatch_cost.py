@@ -1,26 +1,54 @@
 """What one `llama_decode` costs, by the tokens of each ubatch it splits into (`ubatch_sizes`) and
-the keys its tokens attend to.
+the keys its tokens attend to: learnt from the steps the engine runs, a timing at start its prior.
 
 A ubatch's cost is not a line in its tokens on a CPU: llama.cpp's matrix kernels work in tiles, so
 on 2 cores a 1.5B's ubatch of 4 tokens costs about what 3 do, 16 less than 14, and 2 costs 1.6x
-of 1 (docs/benchmarks.md). So the weights' part is a table of seconds per ubatch size, timed on the
-context at start in an empty stream (`calibrate`). Attention is not in that timing: each token
-also reads its sequence's keys, which at a thousand tokens of context can cost more than its share
-of the weights. A step's cost is `scale * sum(table) + per_key * keys`, `scale` (the machine's load)
-and `per_key` fitted to the steps the engine runs by exponentially weighted least squares.
+of 1 (docs/benchmarks.md). So the weights' part is a price per ubatch size. Attention is not in it:
+each token also reads its sequence's keys, which at a thousand tokens of context can cost more than
+its share of the weights. A step's cost is `sum(price of each ubatch) + per_key * keys`.
+
+Prices are learnt while serving. Each size keeps its last `WINDOW` samples, a sample being the
+seconds of one ubatch of that size once the step's keys are priced off; a size with `LEARNT`
+samples is priced at their median. A step's seconds are a sample only where they belong to one
+size: a step of ubatches of one size (each its share), or a step of several sizes all learnt but
+one (what the others' prices leave; all learnt, the one sampled longest ago takes the turn, so a
+size seen only beside others stays current). A step of several sizes not learnt teaches nothing: a
+split of its seconds among them would be a guess. A median, not a mean: a step that the machine
+slowed (another process, a page fault) moves it not at all, and a lasting change of load wins
+within half a window.
+
+The table timed at start (`calibrate`, each size once or twice, in an empty stream, while the
+server loads) is the prior: on one box the same start timed a 12-token ubatch 1.51 s and a 16-token
+one 0.98 s, and smoothly on the next start. So it is never a sample; a size not learnt is priced at
+its start-up timing times the load the learnt sizes measured (the median of each one's price over
+its timing, so one poisoned timing among them moves none), never from one sample of its own.
+
+`per_key` is fitted by exponentially weighted least squares to the steps whose sizes are all
+learnt (a step priced from a poisoned timing would teach it the timing's error), beside `scale`,
+how those steps compare with the prices (1 once they are right): `scale` keeps `per_key` clear of
+the prices' errors while they settle, and prices nothing itself.
 
 Invariants:
-- `ubatch(n)` is positive for every n >= 1: between two known sizes it interpolates, beyond the
-  largest it extends the last two known sizes' slope (never falling), below the smallest it scales;
+- `ubatch(n)` is positive for every n >= 1: a learnt size's price is a median of positive samples;
+  another's is its prior times a positive load, the prior interpolated between two sizes timed at
+  start, beyond the largest extending the last two's slope (never falling), below the smallest scaled;
+- a size's price is its own samples' median once it has `LEARNT` of them, and no sample is older
+  than its size's last `WINDOW`;
 - `scale` > 0 and `per_key` >= 0, whatever the steps observed.
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 
 # The ubatch sizes timed at start (`Context.time_ubatches`): one sequence's drafts, and eight's.
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+# The samples a size keeps (its price follows a lasting change within half of them), and those it
+# needs before they price it instead of the prior.
+WINDOW = 16
+LEARNT = 3
 
 
 def attended_keys(n_past: int, n_decoded: int) -> int:
@@ -35,11 +63,16 @@ class UbatchCost:
         self.table: dict[int, float] = dict(seconds) if seconds else {1: 0.022, 64: 0.148}
         self._sizes = sorted(self.table)
         self.weight = weight
+        self.samples: dict[int, deque[float]] = {}
+        self._learnt: dict[int, float] = {}  # the price of each size with LEARNT samples
+        self._sampled_at: dict[int, int] = {}  # the step each size was last sampled at
+        self._steps = 0
+        self._load = 1.0  # what the learnt sizes measured over their start-up timing (median)
         self.scale, self.per_key = 1.0, 0.0
-        self._sums = [0.0] * 5  # weighted sums of u*u, u*k, k*k, u*t, k*t (u: table seconds, k: keys)
-        self._prior()
+        self._sums = [0.0] * 5  # weighted sums of u*u, u*k, k*k, u*t, k*t (u: priced seconds, k: keys)
+        self._start_fit()
 
-    def _prior(self) -> None:
+    def _start_fit(self) -> None:
         """The fit's start: as if a few steps had taken what the table says, with and without keys."""
         self._sums = [0.0] * 5
         for keys in (0, 1000):
@@ -47,12 +80,14 @@ class UbatchCost:
         self._fit()
 
     def calibrate(self, seconds: dict[int, float]) -> None:
-        """Replace the table by ubatches timed on the context (size: seconds)."""
+        """Replace the prior by ubatches timed on the context (size: seconds); forget what was learnt."""
         self.table = {n: t for n, t in seconds.items() if n >= 1 and t > 0} or self.table
         self._sizes = sorted(self.table)
-        self._prior()
+        self.samples, self._learnt, self._sampled_at, self._load = {}, {}, {}, 1.0
+        self._start_fit()
 
-    def ubatch(self, n: int) -> float:
+    def prior(self, n: int) -> float:
+        """A ubatch of `n` tokens as timed at start."""
         sizes, table = self._sizes, self.table
         if n in table:
             return table[n]
@@ -68,15 +103,53 @@ class UbatchCost:
         lo, hi = sizes[i - 1], sizes[i]
         return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
 
+    def ubatch(self, n: int) -> float:
+        """A ubatch of `n` tokens: its learnt price, or its prior at the load the learnt sizes measured."""
+        learnt = self._learnt.get(n)
+        return learnt if learnt is not None else self.prior(n) * self._load
+
     def step(self, sizes: list[int], keys: int = 0) -> float:
         """Seconds of a step of ubatches of `sizes` whose tokens attend to `keys` keys in all."""
-        return self.scale * sum(self.ubatch(n) for n in sizes) + self.per_key * keys
+        return sum(self.ubatch(n) for n in sizes) + self.per_key * keys
+
+    def entries(self) -> dict[int, tuple[float, int]]:
+        """The price of each size timed at start or sampled since, and how many samples back it."""
+        sizes = sorted({*self.table, *self.samples})
+        return {n: (self.ubatch(n), len(self.samples.get(n, ()))) for n in sizes}
 
     def observe(self, sizes: list[int], seconds: float, keys: int = 0) -> None:
         """A step of ubatches of `sizes`, its tokens attending to `keys` keys, took `seconds`."""
-        if sizes and seconds > 0:
+        if not sizes or seconds <= 0:
+            return
+        self._steps += 1
+        if all(n in self._learnt for n in sizes):  # priced from its own sizes' steps: fit for the keys
             self._add(sum(self.ubatch(n) for n in sizes), keys, seconds, self.weight)
             self._fit()
+        own = self._sampled_size(sizes)
+        if own is not None:
+            others = sum(self.ubatch(n) for n in sizes if n != own)
+            self._sample(own, (seconds - self.per_key * keys - others) / sizes.count(own))
+
+    def _sampled_size(self, sizes: list[int]) -> int | None:
+        """The size a step's seconds are a sample of: its only one; else its only one not learnt, or,
+        all learnt, the one sampled longest ago (a size seen only beside others stays current)."""
+        distinct = set(sizes)
+        if len(distinct) == 1:
+            return sizes[0]
+        unknown = [n for n in distinct if n not in self._learnt]
+        if unknown:
+            return unknown[0] if len(unknown) == 1 else None
+        return min(distinct, key=self._sampled_at.__getitem__)
+
+    def _sample(self, n: int, seconds: float) -> None:
+        if seconds <= 0:  # the keys' or the other sizes' price took it all: nothing of this size's
+            return
+        window = self.samples.setdefault(n, deque(maxlen=WINDOW))
+        window.append(seconds)
+        self._sampled_at[n] = self._steps
+        if len(window) >= LEARNT:
+            self._learnt[n] = statistics.median(window)
+            self._load = statistics.median(price / self.prior(size) for size, price in self._learnt.items())
 
     def _add(self, u: float, k: float, t: float, w: float) -> None:
         s = self._sums
@@ -88,6 +161,6 @@ class UbatchCost:
         det = uu * kk - uk * uk
         if det > 1e-9 * uu * kk:
             self.scale, self.per_key = (ut * kk - kt * uk) / det, (uu * kt - uk * ut) / det
-        if self.per_key < 0 or self.scale <= 0:  # outside the model's range: the table's part alone
+        if self.per_key < 0 or self.scale <= 0:  # outside the model's range: the prices' part alone
             self.per_key = 0.0
             self.scale = max(ut / uu, 1e-3) if uu > 0 else 1.0

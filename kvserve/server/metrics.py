@@ -121,9 +121,17 @@ class _EngineCollector(Collector):
             drafts.add_metric([name], n_drafts)
             drafted.add_metric([name], n_drafted)
             accepted.add_metric([name], n_accepted)
+        dropped = CounterMetricFamily(
+            "kvserve_spec_dropped_drafts", "Steps where auto drafted none of a sequence's proposal, by drafter and "
+            "why: unlikely (to be accepted), priced (the cost table prices the step faster without it), measured (the "
+            "sequence's drafted steps gave fewer tokens per second than its others)", labels=["drafter", "reason"])
+        for name, stats in queue.scheduler.speculator.stats.items():  # read live: its keys are fixed at start
+            for reason, n in stats.dropped.items():
+                dropped.add_metric([name, reason.value], n)
         yield drafts
         yield drafted
         yield accepted
+        yield dropped
         yield CounterMetricFamily("kvserve_engine_steps", "Engine steps run", t.steps)
         yield CounterMetricFamily("kvserve_engine_step_seconds", "Time spent in engine steps", t.step_seconds)
         yield CounterMetricFamily("kvserve_engine_decode_seconds", "Time spent inside llama_decode", t.decode_seconds)
