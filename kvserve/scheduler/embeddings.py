@@ -109,6 +109,11 @@ class Embedder:
                 pooling=POOLING[self.config.pooling]))
         return self._ctx
 
+    @property
+    def memory_bytes(self) -> int:
+        """What its context allocated (0 before the first embedding made it)."""
+        return self._ctx.buffer_bytes if self._ctx is not None else 0
+
     # -- any thread ---------------------------------------------------------------------------------
 
     def submit(self, job: EmbeddingJob) -> None:
@@ -136,7 +141,8 @@ class Embedder:
                 _fail(job, f"embedding failed ({exc})", 500)
             return True
         finally:
-            self.ctx.clear()
+            if self._ctx is not None:  # never made for a step that had nothing to embed
+                self._ctx.clear()
         for job, vector in zip(planned, vectors):
             job.add(vector)
         return True
