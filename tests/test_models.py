@@ -6,6 +6,7 @@ embedding model refusing to generate."""
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -175,20 +176,49 @@ def test_models_max_unloads_the_least_recently_used_idle_model(models_dir: Path)
         assert client.post("/models/unload", json={"model": "nope"}).status_code == 404
 
 
+def test_models_mb_unloads_the_least_recently_used_model_that_does_not_fit(models_dir: Path) -> None:
+    # as llama.cpp reports them (weights, KV cells, compute and output buffers), SmolLM2 with 512
+    # cells x 2 streams and 256-token batches takes 164.1 MiB, the tiny llama 55.0, the prefix
+    # budget 16: 200 MiB holds either, not both
+    with several(models_dir, models_mb=200) as (client, _):
+        first = chat(client, "smollm2")
+        assert first.status_code == 200, first.text
+        memory = {m["id"]: m.get("memory_mb") for m in client.get("/v1/models").json()["data"]}
+        assert memory["smollm2"] == pytest.approx(164.1, abs=1)
+        assert chat(client, "tiny").status_code == 200
+        assert statuses(client)["smollm2"] == "unloaded" and statuses(client)["tiny"] == "loaded"
+        again = chat(client, "smollm2")
+        assert again.status_code == 200, again.text
+        assert statuses(client)["smollm2"] == "loaded" and statuses(client)["tiny"] == "unloaded"
+    with several(models_dir, models_mb=150) as (client, _):  # SmolLM2 alone does not fit
+        refused = chat(client, "smollm2")
+        assert refused.status_code == 503 and "--models-mb 150" in refused.json()["error"]["message"]
+        assert statuses(client)["smollm2"] == "unloaded"
+        assert chat(client, "tiny").status_code == 200
+
+
 def test_a_model_in_use_is_not_unloaded_to_make_room(models_dir: Path) -> None:
-    with several(models_dir, models_max=1) as (client, _):
-        with client.stream("POST", "/v1/chat/completions",
-                           json={**CHAT, "model": "smollm2", "stream": True, "max_tokens": 64,
-                                 "ignore_eos": True}) as streaming:
-            assert streaming.status_code == 200
+    """Another model's request waits for the running one to end (up to --queue-timeout), never cuts it."""
+    streamed = {**CHAT, "model": "smollm2", "stream": True, "max_tokens": 48, "ignore_eos": True}
+    with several(models_dir, models_max=1, queue_timeout=1) as (client, _):
+        with client.stream("POST", "/v1/chat/completions", json=streamed) as streaming:
             lines = streaming.iter_lines()
             next(line for line in lines if line.startswith("data:"))  # it is generating
-            other = chat(client, "tiny")
-            assert other.status_code == 503 and "--models-max 1" in other.json()["error"]["message"]
+            other = chat(client, "tiny")  # smollm2 is busy past --queue-timeout: no room for tiny
+            assert other.status_code == 503 and "--queue-timeout" in other.json()["error"]["message"]
             assert client.post("/models/unload", json={"model": "smollm2"}).status_code == 409
             rest = [line for line in lines if line.startswith("data:")]
-        assert rest[-1] == "data: [DONE]"
+        assert rest[-1] == "data: [DONE]" and len(rest) >= 40
         assert chat(client, "tiny").status_code == 200  # smollm2 is idle now: it goes
+    with several(models_dir, models_max=1) as (client, _), ThreadPoolExecutor(1) as pool:
+        with client.stream("POST", "/v1/chat/completions", json=streamed) as streaming:
+            lines = streaming.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            waiting = pool.submit(chat, client, "tiny")  # waits for the stream to end, then swaps
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and len(rest) >= 40
+        assert waiting.result(timeout=120).status_code == 200
+        assert statuses(client) == {**statuses(client), "smollm2": "unloaded", "tiny": "loaded"}
 
 
 def test_pinned_models_stay_and_keep_alive_zero_unloads_once_idle(models_dir: Path, tmp_path: Path) -> None:

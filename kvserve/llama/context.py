@@ -40,6 +40,7 @@ class NoKvSlot(DecodeError):
 FlashAttn = Literal["on", "off", "auto"]
 # how llama.cpp reports each KV (attention) and RS (recurrent state) buffer it allocates
 _BUFFER_SIZE = re.compile(r"(?:KV|RS) buffer size =\s*([\d.]+) MiB")
+_ANY_BUFFER_SIZE = re.compile(r"(?:KV|RS|compute|output) buffer size =\s*([\d.]+) MiB")
 _FLASH_ATTN_TYPES = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
                      "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}
 
@@ -107,7 +108,9 @@ class Context:
         self.flash_attn = params.flash_attn == "on" or (
             params.flash_attn == "auto" and any("Flash Attention enabled" in line for line in said))
         # the memory of every stream, as llama.cpp allocated it (it reports it only in its log)
-        self.kv_bytes = int(sum(float(m.group(1)) for line in said if (m := _BUFFER_SIZE.search(line))) * 2**20)
+        self.kv_bytes = _mib_said(_BUFFER_SIZE, said)
+        # and all it allocated: the KV (or recurrent state) cells, the compute and output buffers
+        self.buffer_bytes = _mib_said(_ANY_BUFFER_SIZE, said)
         self._mem = llama_cpp.llama_get_memory(self._ptr)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
         self.n_batch = llama_cpp.llama_n_batch(self._ptr)
@@ -224,3 +227,8 @@ class Context:
 
 def _u8_pointer(buf: np.ndarray) -> "ctypes._Pointer[ctypes.c_uint8]":
     return buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+
+def _mib_said(pattern: re.Pattern[str], lines: list[str]) -> int:
+    """The bytes of every buffer size `pattern` finds in llama.cpp's log `lines` (in MiB there)."""
+    return int(sum(float(m.group(1)) for line in lines if (m := pattern.search(line))) * 2**20)

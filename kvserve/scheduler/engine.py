@@ -50,6 +50,15 @@ class Engine:
         return self.scheduler.config.max_seq_len
 
     @property
+    def memory_bytes(self) -> int:
+        """What it holds, as llama.cpp reports it: the weights, each context's KV cells and compute
+        and output buffers (the embedding context once made), a draft model's too."""
+        held = self.model.info.size_bytes + self.pool.ctx.buffer_bytes + self.embedder.memory_bytes
+        if self.draft is not None:
+            held += self.draft.model.info.size_bytes + self.draft.ctx.buffer_bytes
+        return held
+
+    @property
     def kind(self) -> str:
         """`chat` (it generates, and embeds too) or `embedding` (it only embeds)."""
         return "embedding" if self.model.info.embedding_only else "chat"

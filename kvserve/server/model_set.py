@@ -60,7 +60,7 @@ class ServedModel:
     leases: int = 0
     last_used: float = 0.0  # monotonic
     keep_alive: float = 300.0  # seconds idle before it unloads; < 0 never
-    footprint: int = 0  # bytes it took when last loaded (weights, KV cells, compute buffers)
+    footprint: int = 0  # bytes it holds, or held when last loaded (`Engine.memory_bytes`)
 
     @property
     def status(self) -> Status:
@@ -208,7 +208,6 @@ class ModelSet:
         name = model.spec.name
         _log.info("loading model %s from %s", name, model.spec.settings.model)
         kept = self._kept_for(model)
-        anon = _anon_bytes()
         try:
             engine = await asyncio.to_thread(Engine.load, model.spec.settings, self.settings, self.cache_mb, kept)
         except Exception as exc:  # whatever a file makes llama.cpp or the engine refuse fails that model alone
@@ -219,19 +218,28 @@ class ModelSet:
             raise _load_failed(model) from None
         engine.async_engine.start()
         model.loaded_file = _file_id(model)
-        model.footprint = engine.model.info.size_bytes + max(engine.pool.ctx.kv_bytes, _anon_bytes() - anon)
+        model.footprint = engine.memory_bytes
         _log.info("model %s loaded (%s, %.0f MiB)", name, engine.kind, model.footprint / MIB)
         return engine
 
     async def _make_room(self, model: ServedModel, need: int) -> None:
-        """Unload idle models, least recently used first, until `model` (needing `need` more bytes) fits."""
+        """Unload idle models, least recently used first, until `model` (needing `need` more bytes)
+        fits; while only busy unpinned models could go, wait for one to finish, up to --queue-timeout."""
+        timeout = self.settings.queue_timeout
+        deadline = time.monotonic() + timeout if timeout else float("inf")
         while True:
             others = [m for m in self.loaded if m is not model]
             count = len(others) + 1
+            for m in self.loaded:  # an embedding context made since its load counts too
+                m.footprint = m.engine.memory_bytes
             used = sum(m.footprint for m in self.loaded) + need + int(self.settings.prefix_state_mb * MIB)
             if count <= self.settings.models_max and (self.single or used <= self.budget):
                 return
             idle = sorted((m for m in others if m.evictable), key=lambda m: m.last_used)
+            busy = [m for m in others if m.leases and not m.spec.pinned]
+            if not idle and busy and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # a lease ends with its response's last byte
+                continue
             if not idle:
                 if model.engine is not None:
                     await self._close(model)
@@ -241,7 +249,7 @@ class ModelSet:
     def _no_room(self, model: ServedModel, count: int, used: int) -> str:
         if count > self.settings.models_max:
             return (f"cannot load model '{model.spec.name}': {count - 1} models are loaded (--models-max "
-                    f"{self.settings.models_max}) and none is idle and unpinned")
+                    f"{self.settings.models_max}) and none became idle and unpinned within --queue-timeout")
         return (f"cannot load model '{model.spec.name}': it needs {used / MIB:.0f} MiB with the models loaded and "
                 f"the prefix cache, over --models-mb {self.budget / MIB:.0f}, and no idle unpinned model can go")
 
@@ -353,18 +361,6 @@ def _machine_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 8 * 1024 * MIB
-
-
-def _anon_bytes() -> int:
-    """The process's anonymous resident memory (KV cells, compute buffers; not the mapped weights)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class ReleaseLeases:
