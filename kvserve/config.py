@@ -48,6 +48,13 @@ def parse_lora(item: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
+def existing_file(value: Path | None) -> Path | None:
+    """A settings file that must exist (None: not given)."""
+    if value is not None and not value.is_file():
+        raise ValueError(f"file not found: {value}")
+    return value
+
+
 class ModelSettings(BaseModel):
     """How one model is served: a `--models` preset's keys, and the command line's model flags."""
 
@@ -104,12 +111,7 @@ class ModelSettings(BaseModel):
     )
     draft_max: int = Field(16, ge=1, le=64, description="most draft tokens per sequence and step")
 
-    @field_validator("model", "chat_template_file", "draft_model")
-    @classmethod
-    def _file_exists(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.is_file():
-            raise ValueError(f"file not found: {value}")
-        return value
+    _file_exists = field_validator("model", "chat_template_file", "draft_model")(existing_file)
 
     @model_validator(mode="after")
     def _quantized_v_needs_flash_attn(self) -> "ModelSettings":
@@ -196,12 +198,7 @@ class ServerSettings(BaseModel):
         None, description="also export metrics under vLLM's names (vllm:num_requests_running, ...) for dashboards"
     )
 
-    @field_validator("api_key_file", "models")
-    @classmethod
-    def _server_file_exists(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.is_file():
-            raise ValueError(f"file not found: {value}")
-        return value
+    _server_file_exists = field_validator("api_key_file", "models")(existing_file)
 
     @field_validator("models_dir")
     @classmethod
