@@ -29,12 +29,17 @@ def embedded_model_path() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
+def machine_bytes() -> int:
+    """The machine's RAM (4 GiB where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 4 * 1024**3
+
+
 def default_budget_mb() -> int:
     """The default of `--prefix-state-mb`: a quarter of the machine's RAM."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (4 * 1024 * 1024)
-    except (ValueError, OSError):
-        return 1024
+    return machine_bytes() // (4 * 1024 * 1024)
 
 
 def parse_lora(item: str) -> tuple[str, Path]:

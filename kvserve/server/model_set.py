@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -30,7 +29,7 @@ from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.cache.prefix_cache import PrefixCache
-from kvserve.config import Settings
+from kvserve.config import Settings, machine_bytes
 from kvserve.scheduler.engine import Engine
 from kvserve.server.catalog import ModelSpec, keep_alive_seconds
 from kvserve.server.errors import APIError
@@ -110,7 +109,7 @@ class ModelSet:
         self.single = not settings.many_models
         self._lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
-        self.budget = int(settings.models_mb * MIB) if settings.models_mb else _machine_bytes() - 1024 * MIB
+        self.budget = int(settings.models_mb * MIB) if settings.models_mb else machine_bytes() - 1024 * MIB
         # each loaded model's prefix cache gets an equal share of the one host budget
         self.cache_mb = settings.prefix_state_mb / (1 if self.single else settings.models_max)
 
@@ -354,13 +353,6 @@ def _file_id(model: ServedModel) -> FileId | None:
 def _file_bytes(model: ServedModel) -> int:
     found = _file_id(model)
     return found[2] if found else 0
-
-
-def _machine_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 8 * 1024 * MIB
 
 
 class ReleaseLeases:
