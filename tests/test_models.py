@@ -302,6 +302,21 @@ DOCUMENTS = ["search_document: Sourdough keeps for four days in a paper bag.",
 
 
 def test_a_rag_round_trip_on_one_base_url_with_langchain(models_dir: Path) -> None:
+    rag_round_trip(models_dir, "smollm2")
+
+
+@pytest.mark.slow
+def test_a_rag_round_trip_beside_qwen_coder(models_dir: Path, qwen_coder: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for entry in models_dir.iterdir():
+        if entry.name != "broken.gguf":
+            (folder / entry.name).symlink_to(entry.resolve())
+    (folder / "qwen2.5-coder-0.5b-instruct.gguf").symlink_to(qwen_coder)
+    rag_round_trip(folder, "qwen2.5-coder-0.5b-instruct")
+
+
+def rag_round_trip(models_dir: Path, chat_name: str) -> None:
     """LangChain's OpenAIEmbeddings and ChatOpenAI against one server: retrieve with the embedder,
     answer with the chat model, each named by its model."""
     if not (models_dir / "nomic-embed-text-v1.5.gguf").exists():
@@ -317,12 +332,12 @@ def test_a_rag_round_trip_on_one_base_url_with_langchain(models_dir: Path) -> No
         scores = vectors @ query / np.linalg.norm(vectors, axis=1) / np.linalg.norm(query)
         best = DOCUMENTS[int(np.argmax(scores))]
         assert "Rye" in best  # nomic retrieves the passage that answers
-        chat_model = ChatOpenAI(model="smollm2", base_url=base, api_key="unused", temperature=0, max_tokens=24,
+        chat_model = ChatOpenAI(model=chat_name, base_url=base, api_key="unused", temperature=0, max_tokens=24,
                                 max_retries=0)
         answer = chat_model.invoke(answer_prompt(best))
-        raw = chat(client, "smollm2", messages=[{"role": "user", "content": answer_prompt(best)}], max_tokens=24)
+        raw = chat(client, chat_name, messages=[{"role": "user", "content": answer_prompt(best)}], max_tokens=24)
         assert answer.content and answer.content == raw.json()["choices"][0]["message"]["content"]
-        assert statuses(client)["nomic-embed-text-v1.5"] == "loaded" and statuses(client)["smollm2"] == "loaded"
+        assert statuses(client)["nomic-embed-text-v1.5"] == "loaded" and statuses(client)[chat_name] == "loaded"
 
 
 def answer_prompt(passage: str) -> str:
