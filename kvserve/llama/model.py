@@ -31,7 +31,7 @@ class ModelInfo:
     is_recurrent: bool
     is_hybrid: bool
     n_swa: int = 0  # the sliding window of its SWA layers, in positions (0: none)
-    embedding_only: bool = False  # an embedder, not a generator: see `Model._embedding_only`
+    embedding_only: bool = False  # an embedder, not a generator: see `_embedding_only`
     size_bytes: int = 0  # the weights, as llama.cpp counts them
 
     @property
@@ -66,23 +66,13 @@ class Model:
             is_recurrent=bool(llama_cpp.llama_model_is_recurrent(self._ptr)),
             is_hybrid=bool(llama_cpp.llama_model_is_hybrid(self._ptr)),
             n_swa=int(llama_cpp.llama_model_n_swa(self._ptr)),
-            embedding_only=self._embedding_only(),
+            embedding_only=_embedding_only(self._ptr),
             size_bytes=int(llama_cpp.llama_model_size(self._ptr)),
         )
         self.bos = llama_cpp.llama_vocab_bos(self._vocab)
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
         self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.adds_eos = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
-
-    def _embedding_only(self) -> bool:
-        """An encoder without a decoder, a model whose attention is not causal (BERT, nomic-bert: its
-        GGUF says `<arch>.attention.causal = false`), or a reranker (pooling type rank): it embeds or
-        scores, it does not generate."""
-        if llama_cpp.llama_model_has_encoder(self._ptr) and not llama_cpp.llama_model_has_decoder(self._ptr):
-            return True
-        arch = self.metadata("general.architecture") or ""
-        return (self.metadata(f"{arch}.attention.causal") == "false"
-                or self.metadata(f"{arch}.pooling_type") == str(llama_cpp.LLAMA_POOLING_TYPE_RANK))
 
     @cached_property
     def _cuts(self) -> SpecialCuts | None:
@@ -166,9 +156,7 @@ class Model:
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as text; None where the file lacks `key`."""
-        buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+        return _metadata(self._ptr, key)
 
     def vocab_mismatch(self, other: "Model", samples: int = 512) -> str | None:
         """How `other`'s vocabulary differs from this one's, or None where they agree on the size,
@@ -189,3 +177,35 @@ class Model:
     def chat_template(self) -> str | None:
         raw = llama_cpp.llama_model_chat_template(self._ptr, None)
         return raw.decode("utf-8") if raw else None
+
+
+def _metadata(ptr: llama_cpp.llama_model_p, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(256)
+    n = llama_cpp.llama_model_meta_val_str(ptr, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+
+def _embedding_only(ptr: llama_cpp.llama_model_p) -> bool:
+    """An encoder without a decoder, a model whose attention is not causal (BERT, nomic-bert: its
+    GGUF says `<arch>.attention.causal = false`), or a reranker (pooling type rank): it embeds or
+    scores, it does not generate."""
+    if llama_cpp.llama_model_has_encoder(ptr) and not llama_cpp.llama_model_has_decoder(ptr):
+        return True
+    arch = _metadata(ptr, "general.architecture") or ""
+    return (_metadata(ptr, f"{arch}.attention.causal") == "false"
+            or _metadata(ptr, f"{arch}.pooling_type") == str(llama_cpp.LLAMA_POOLING_TYPE_RANK))
+
+
+def peek_kind(path: str | Path) -> str | None:
+    """`chat` or `embedding`, read from a GGUF with its vocabulary only (a fraction of a second, no
+    weights); None where llama.cpp cannot read the file."""
+    ensure_backend()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not ptr:
+        return None
+    try:
+        return "embedding" if _embedding_only(ptr) else "chat"
+    finally:
+        llama_cpp.llama_model_free(ptr)

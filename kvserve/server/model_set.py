@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.config import Settings, machine_bytes
+from kvserve.llama.model import peek_kind
 from kvserve.scheduler.engine import Engine
 from kvserve.server.catalog import ModelSpec, keep_alive_seconds
 from kvserve.server.errors import APIError
@@ -60,6 +61,7 @@ class ServedModel:
     last_used: float = 0.0  # monotonic
     keep_alive: float = 300.0  # seconds idle before it unloads; < 0 never
     footprint: int = 0  # bytes it holds, or held when last loaded (`Engine.memory_bytes`)
+    kind: str | None = None  # chat or embedding, read from the file before it loads (`peek_kind`)
 
     @property
     def status(self) -> Status:
@@ -109,6 +111,7 @@ class ModelSet:
         self.single = not settings.many_models
         self._lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
+        self._peeks: asyncio.Task | None = None
         self.budget = int(settings.models_mb * MIB) if settings.models_mb else machine_bytes() - 1024 * MIB
         # each loaded model's prefix cache gets an equal share of the one host budget
         self.cache_mb = settings.prefix_state_mb / (1 if self.single else settings.models_max)
@@ -302,6 +305,14 @@ class ModelSet:
                     if self.single:
                         raise RuntimeError(model.error or "the model did not load") from None
         self._reaper = asyncio.create_task(self._reap())
+        if not self.single:
+            self._peeks = asyncio.create_task(self._peek_kinds())
+
+    async def _peek_kinds(self) -> None:
+        """Each model's kind from its file, in the background, so /v1/models can say it before a load."""
+        for model in self.models:
+            if model.kind is None:
+                model.kind = await asyncio.to_thread(peek_kind, model.spec.settings.model)
 
     async def _reap(self) -> None:
         while True:
@@ -316,8 +327,9 @@ class ModelSet:
                                 _log.exception("unloading model %s failed", model.spec.name)
 
     async def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
+        for task in (self._reaper, self._peeks):
+            if task is not None:
+                task.cancel()
         async with self._lock:
             for model in self.models:
                 await self._close(model)
@@ -329,7 +341,10 @@ class ModelSet:
         out = {"id": model.spec.name, "status": {"value": model.status.value}, "aliases": list(model.spec.aliases),
                "pinned": model.spec.pinned, "path": str(model.spec.settings.model)}
         if engine is not None:
-            out.update(kind=engine.kind, max_model_len=engine.max_seq_len, memory_mb=round(model.footprint / MIB, 1))
+            model.kind = engine.kind
+            out.update(max_model_len=engine.max_seq_len, memory_mb=round(model.footprint / MIB, 1))
+        if model.kind is not None:
+            out["kind"] = model.kind
         if model.error is not None:
             out["status"]["failed"] = True
             out["error"] = model.error
