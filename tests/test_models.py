@@ -112,6 +112,9 @@ def test_models_load_on_demand_and_each_answers_as_it_does_alone(models_dir: Pat
     with several(models_dir) as (client, _):
         assert set(statuses(client).values()) == {"unloaded"}
         assert client.get("/health").status_code == 200  # it can load on demand
+        info = client.get("/server_info").json()  # a router's probe loads nothing
+        assert "served_model_name" not in info and {m["id"] for m in info["models"]} >= {"smollm2", "tiny"}
+        assert set(statuses(client).values()) == {"unloaded"}
         reply = chat(client, "smollm2")
         assert reply.status_code == 200, reply.text
         body = reply.json()
@@ -122,6 +125,8 @@ def test_models_load_on_demand_and_each_answers_as_it_does_alone(models_dir: Pat
         assert listed["smollm2"]["kind"] == "chat" and listed["smollm2"]["max_model_len"] == 512
         assert chat(client, "tiny").status_code == 200
         assert statuses(client)["tiny"] == "loaded"
+        assert client.get("/server_info?model=tiny").json()["served_model_name"] == "tiny"
+        assert client.get("/server_info").json()["served_model_name"] == "smollm2"  # the first loaded
 
 
 def test_a_broken_file_fails_alone(models_dir: Path) -> None:

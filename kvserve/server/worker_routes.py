@@ -30,10 +30,15 @@ class DetokenizeRequest(BaseModel):
 
 @router.get("/server_info")
 async def server_info(request: Request, model: str | None = None) -> dict:
-    """One model's facts (`?model=`; with several, the first loaded one's unless named), and every model."""
+    """One model's facts (`?model=`; with several, the first loaded one's unless named), and every
+    model. With several models of which none is loaded and none named, every model alone: a
+    router's probe loads nothing."""
     models: ModelSet = request.app.state.models
+    listed = [models.describe(m) for m in models.models]
     if model is None and not models.single:
-        model = next((m.spec.name for m in models.loaded), models.models[0].spec.name)
+        if not models.loaded:
+            return {"version": __version__, "engine": "kvserve", "models": listed}
+        model = models.loaded[0].spec.name
     engine = await engine_for(request, model)
     s = engine.settings
     pool = engine.pool
@@ -46,7 +51,7 @@ async def server_info(request: Request, model: str | None = None) -> dict:
         "max_total_tokens": pool.n_cells,
         "version": __version__,
         "kind": engine.kind,
-        "models": [models.describe(m) for m in models.models],
+        "models": listed,
         "engine": "kvserve",
         "flash_attn": engine.attention.as_dict(),  # what runs and why (--flash-attn and the self-check)
         "flash_attn_enabled": engine.pool.ctx.flash_attn,
