@@ -1,5 +1,5 @@
 """python -m bench [compare|sweep|attention|host-tier|kv-types|lora|serving|prefix|checkpoints|soak|embeddings|
-speculative|cache-view]: each writes JSON and Markdown to bench/results/.
+speculative|cache-view|models]: each writes JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
 kvserve next to llama-server over 1 to 32 users and prompts of 256 to 4,096 tokens; attention times
@@ -10,7 +10,9 @@ of LoRA adapter set between steps. The others are the earlier kvserve-only suite
 docs/benchmarks.md quotes; soak serves thousands of requests and charts kvserve's resident memory;
 embeddings puts kvserve's /v1/embeddings per second next to llama-server's; speculative times
 decoding with each `--speculative` mode (and llama-server's where it is built); cache-view times
-/v1/cache, /metrics and the /ui/cache page with 10,000 cached pages.
+/v1/cache, /metrics and the /ui/cache page with 10,000 cached pages; models serves a chat model
+and an embedder at once (a RAG mix) from one kvserve against a process per model, and times
+loading, reloading and swapping models under `--models-max 1`.
 """
 
 from __future__ import annotations
@@ -18,21 +20,21 @@ from __future__ import annotations
 import argparse
 
 from bench import (
-    attention, cache_view, checkpoints, compare, embeddings, host_tier, kv_types, lora, prefix, serving, soak,
-    speculative, sweep,
+    attention, cache_view, checkpoints, compare, embeddings, host_tier, kv_types, lora, models, prefix, serving,
+    soak, speculative, sweep,
 )
 
 WORKLOADS = ["shared", "multiturn", "unique", "long", "conversations"]
 SERVERS = ["kvserve", "llama-server", "llama-server-defaults", "llama-cpp-python"]
 SUITES = ["compare", "sweep", "attention", "host-tier", "kv-types", "lora", "serving", "prefix", "checkpoints", "soak",
-          "embeddings", "speculative", "cache-view"]
+          "embeddings", "speculative", "cache-view", "models"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("suite", nargs="?", default="compare", choices=SUITES)
     parser.add_argument("--quick", action="store_true",
-                        help="compare, sweep, embeddings, speculative: a smoke run (fewer rounds, points, tokens, texts or users)")
+                        help="compare, sweep, embeddings, speculative, models: a smoke run (fewer rounds, points, tokens, texts or users)")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, help="compare, sweep, embeddings: only these servers")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="compare: only these workloads")
     parser.add_argument("--cells", nargs="+", metavar="GLOB",
@@ -46,6 +48,8 @@ def main() -> None:
         print(speculative.main(args.quick, args.cells))
     elif args.suite == "embeddings":
         print(embeddings.main(args.quick, args.servers))
+    elif args.suite == "models":
+        print(models.main(args.quick))
     else:
         suites = {"attention": attention, "host-tier": host_tier, "kv-types": kv_types, "lora": lora,
                   "serving": serving, "prefix": prefix, "checkpoints": checkpoints, "soak": soak,

@@ -396,3 +396,30 @@ def test_novel_questions_are_distinct_across_a_servers_tags() -> None:
 
     asked = {speculative.novel(tag)[0]["content"] for tag in range(1000, 1000 + len(speculative.TOPICS))}
     assert len(asked) == len(speculative.TOPICS) >= 5 * sum(speculative.USERS) // 2
+
+
+def test_models_turns_are_abba_and_ratios_pair_turns_of_the_same_run(tmp_path: Path) -> None:
+    from bench import models
+
+    assert models.turns(["one", "two", "two-split"], 0) == [("one", 0), ("two", 0), ("two-split", 0),
+                                                            ("two-split", 1), ("two", 1), ("one", 1)]
+    assert [c for c, _ in models.turns(["one", "two"], 1)] == ["two", "one", "one", "two"]
+    asked = {m[1]["content"] for u in range(models.CHAT_USERS) for m in (models.question(u, n) for n in range(20))}
+    assert len(asked) == 20 * models.CHAT_USERS
+    assert len({models.question(u, 3)[0]["content"] for u in range(4)}) == 1  # one shared system prompt
+
+    def row(config: str, run: int, turn: int, chat: float, embeddings: float) -> dict:
+        return {"config": config, "run": run, "turn": turn, "chat_tok_s": chat, "embeddings_s": embeddings}
+    rows = [row("one", 0, 0, 40.0, 10.0), row("two", 0, 0, 20.0, 10.0), row("one", 0, 1, 30.0, 10.0),
+            row("two", 0, 1, 30.0, 5.0), row("one", 1, 0, 20.0, 8.0), row("two", 1, 0, 40.0, 8.0),
+            {**row("one", 1, -1, 50.0, 0.0), "solo": "chat"}]
+    found = models.ratio(rows, "one", "two", "chat_tok_s")
+    assert found == {"median": 1.0, "min": 0.5, "max": 2.0, "pairs": 3}  # the solo row and the missing turn left out
+    assert models.ratio(rows, "one", "two-split", "chat_tok_s") is None
+    stalled = [row("one", 0, 0, 4.0, 1.0), row("two", 0, 0, 0.0, 1.0), row("one", 0, 1, 0.0, 1.0), row("two", 0, 1, 0.0, 1.0)]
+    assert models.ratio(stalled, "one", "two", "chat_tok_s")["max"] == float("inf")  # both 0: no pair
+    assert models.combined(row("one", 0, 0, 25.0, 5.0), {"chat_tok_s": 50.0, "embeddings_s": 10.0}) == 1.0
+    assert models.combined(row("one", 0, 0, 25.0, 5.0), {"chat_tok_s": None, "embeddings_s": 10.0}) is None
+    folder = models.models_dir(tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "models")
+    assert sorted(p.name for p in folder.iterdir()) == sorted([f"{models.CHAT}.gguf", f"{models.EMBED}.gguf"])
+    assert (folder / f"{models.CHAT}.gguf").readlink() == tmp_path / "a.gguf"
