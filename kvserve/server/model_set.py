@@ -73,6 +73,13 @@ class ServedModel:
     def evictable(self) -> bool:
         return self.engine is not None and self.leases == 0 and not self.spec.pinned
 
+    @property
+    def caches(self) -> bool:
+        """It keeps a prefix cache when loaded (an embedding model keeps none: no KV rows to page)."""
+        if self.engine is not None:
+            return self.engine.cache.keeps != "none"
+        return self.kind != "embedding" and self.spec.settings.prefix_cache
+
     def release_kept(self) -> None:
         if self.kept is not None:
             self.kept.release()
@@ -280,8 +287,10 @@ class ModelSet:
         if kept is not None and model.loaded_file != _file_id(model):
             kept.release()
             kept = None
+        if not model.caches:
+            return kept
         others = sorted((m for m in self.models if m.kept is not None and m is not model), key=lambda m: m.last_used)
-        while others and len(self.loaded) + len(others) + 1 > self.settings.models_max:
+        while others and sum(m.caches for m in self.loaded) + len(others) + 1 > self.settings.models_max:
             others.pop(0).release_kept()
         return kept
 
