@@ -12,19 +12,24 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import httpx
 import promql_parser
 import pytest
 import yaml
+from prometheus_client import generate_latest
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
-from conftest import kvserve_help, names_flag
+from conftest import kvserve_help, names_flag, served
 from deploy.observability.dashboard import render
-from kvserve.testing import ServerProcess, free_port, wait_until
+from kvserve.server.errors import APIError
+from kvserve.server.generation import rejected
+from kvserve.server.metrics import Metrics as ServerMetrics
+from kvserve.testing import Metrics, ServerProcess, free_port, wait_until
 
 OBSERVABILITY = Path(__file__).resolve().parent.parent / "deploy" / "observability"
 DASHBOARD = OBSERVABILITY / "kvserve.json"
@@ -39,6 +44,12 @@ NOT_INSTALLED = "is not installed (Debian: apt-get install prometheus; make test
 GRAFANA_BUILTINS = {"__rate_interval": "1m"}  # what Grafana puts in their place, near enough to parse
 RULE_KEYS = {"alert", "expr", "for", "keep_firing_for", "labels", "annotations"}
 DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
+MODEL_MATCHER = 'model_name=~"$model_name"'
+# The series a dashboard panel reads that belong to the whole process, not to a model: no model_name.
+SERVER_WIDE = {"process_resident_memory_bytes"}
+# kvserve's own series that carry no model_name (every other kvserve_* and vllm:* series does, one
+# model or several): server bugs by route, and refusals while draining, before any model is picked.
+KVSERVE_WITHOUT_MODEL = {"kvserve_unexpected_errors_total", "kvserve_request_rejected_total"}
 
 
 # --- reading the dashboard and the rules ----------------------------------------------------------
@@ -120,16 +131,26 @@ def test_every_query_parses_and_uses_only_defined_variables() -> None:
         assert graph["datasource"]["uid"] == "${datasource}", graph["title"]
 
 
+def _panel_series(dashboard: dict) -> set[str]:
+    return {selector.name for graph in _graphs(dashboard) for target in graph["targets"]
+            for selector in _selectors(promql_parser.parse(_promql(target["expr"], dashboard)))}
+
+
 def test_every_panel_reads_only_the_picked_replicas_and_models() -> None:
-    """One dashboard for one replica or a fleet: no panel reads series the viewer did not pick."""
+    """One dashboard for one replica or a fleet, one model or several: no panel reads series the
+    viewer did not pick. Every per-model selector (all but the server-wide ones) carries the model
+    matcher, and no server-wide one does (it would find nothing)."""
     dashboard = _dashboard()
     for graph in _graphs(dashboard):
         for target in graph["targets"]:
             for selector in _selectors(promql_parser.parse(_promql(target["expr"], dashboard))):
                 matchers = str(selector.matchers)
                 assert 'instance=~"$instance"' in matchers, target["expr"]
-                assert selector.name.startswith("vllm:") == ('model_name=~"$model_name"' in matchers), target["expr"]
-    assert 'instance=~"$instance"' in _variables(dashboard)["model_name"]["query"]
+                assert (selector.name not in SERVER_WIDE) == (MODEL_MATCHER in matchers), target["expr"]
+    assert SERVER_WIDE <= _panel_series(dashboard)  # the exception is not stale
+    model = _variables(dashboard)["model_name"]
+    assert model["query"] == 'label_values(kvserve_requests_running{instance=~"$instance"}, model_name)'
+    assert model["multi"] and model["includeAll"] and model["allValue"] == ".*"
 
 
 # --- the alert rules ------------------------------------------------------------------------------
@@ -279,6 +300,18 @@ def test_every_dashboard_query_returns_data_through_prometheus(prometheus: Prome
     assert empty == [] and nan == []
 
 
+def test_model_name_is_on_every_per_model_series_of_a_one_model_replica(prometheus: Prometheus) -> None:
+    """The series the dashboard filters by model carry model_name on a live replica of one model, and
+    the server-wide ones do not; of kvserve's own, only the known server-wide ones go without."""
+    panel = _panel_series(_dashboard())
+    labelled = {s["metric"]["__name__"] for s in prometheus.query('group by (__name__) ({job="kvserve", model_name!=""})')}
+    bare = {s["metric"]["__name__"] for s in prometheus.query('group by (__name__) ({job="kvserve", model_name=""})')}
+    assert panel - SERVER_WIDE <= labelled and not SERVER_WIDE & labelled
+    assert SERVER_WIDE <= bare
+    assert {n for n in bare if n.startswith(("kvserve_", "vllm:")) and not n.endswith("_created")} == \
+        KVSERVE_WITHOUT_MODEL
+
+
 def test_a_renamed_series_returns_no_data(prometheus: Prometheus) -> None:
     """The check above can fail: a name kvserve does not export finds nothing."""
     assert prometheus.query("rate(kvserve_prefix_cache_hit_tokens_total[10m])") != []
@@ -294,6 +327,79 @@ def test_prometheus_evaluates_every_alert_rule_and_a_healthy_replica_raises_none
     assert sorted(r["name"] for r in evaluated) == sorted(r["alert"] for r in _rules())
     assert {(r["name"], r["health"], r["state"]) for r in evaluated} == {
         (r["alert"], "ok", "inactive") for r in _rules()}
+
+
+# --- model_name on kvserve's own series --------------------------------------------------------------
+
+def _page(client: httpx.Client) -> Metrics:
+    return Metrics.parse(client.get("/metrics").text)
+
+
+def _models_of(page: Metrics, name: str) -> set[str]:
+    return {s.labels["model_name"] for s in page.samples if s.name == name}
+
+
+def test_each_models_series_carry_its_name_from_its_load(tiny, tmp_path: Path) -> None:
+    """Two models of one server: none has a series before it loads; a model loaded without a request
+    has every finish reason and refusal at 0 already (so an alert's increase() sees the first); its
+    requests count under its name alone; a read without model_name is ambiguous once two are loaded;
+    an unloaded model's engine series go and its counts stay."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.gguf").symlink_to(tiny("llama"))
+    options = dict(models_dir=tmp_path, ctx_size=512, parallel=2, prefix_state_mb=16, threads=1)
+    with served(None, **options) as (url, _), httpx.Client(base_url=url, timeout=120) as client:
+        page = _page(client)
+        assert _models_of(page, "kvserve_request_success_total") == set()
+        assert _models_of(page, "kvserve_requests_running") == set()
+        assert page.value("kvserve_request_rejected_total", model_name="", status="503") == 0  # draining
+
+        assert client.post("/models/load", json={"model": "b"}).json()["success"] is True
+        page = _page(client)
+        for reason in ("stop", "length", "tool_calls", "error", "abort"):
+            assert page.value("kvserve_request_success_total", model_name="b", finish_reason=reason) == 0
+        for status in ("429", "503"):
+            assert page.value("kvserve_request_rejected_total", model_name="b", status=status) == 0
+        assert page.value("kvserve_time_to_first_token_seconds_count", model_name="b") == 0
+        assert page.value("kvserve_requests_running") == 0  # one model loaded: no model_name needed
+
+        answer = client.post("/v1/chat/completions", json={
+            "model": "a", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
+        assert answer.status_code == 200, answer.text
+        page = _page(client)
+        assert page.value("kvserve_time_to_first_token_seconds_count", model_name="a") == 1
+        assert page.value("kvserve_time_to_first_token_seconds_count", model_name="b") == 0
+        assert page.value("kvserve_request_success_total", model_name="a", finish_reason="length") == 1
+        assert page.value("kvserve_generation_tokens_total", model_name="a") == 3
+        assert page.value("kvserve_engine_steps_total", model_name="a") > 0
+        assert page.value("kvserve_engine_steps_total", model_name="b") == 0
+        with pytest.raises(ValueError, match="ambiguous"):
+            page.value("kvserve_requests_running")
+        assert page.total("kvserve_request_success_total", finish_reason="length") == 1
+
+        assert client.post("/models/unload", json={"model": "a"}).json()["unloaded"] is True
+        page = _page(client)
+        assert _models_of(page, "kvserve_requests_running") == {"b"}
+        assert page.value("kvserve_request_success_total", model_name="a", finish_reason="length") == 1
+        for name in {s.name for s in page.samples}:
+            if name.startswith(("kvserve_", "vllm:")) and not name.endswith("_created"):
+                without = {s.name for s in page.samples if s.name == name and "model_name" not in s.labels}
+                assert not without or name == "kvserve_unexpected_errors_total", name
+
+
+def test_a_refusal_counts_under_the_model_it_leased_or_none_while_draining() -> None:
+    """Embeddings refuse through `rejected` without their engine: the request's lease names the model."""
+    metrics = ServerMetrics(lambda: [], SimpleNamespace(metrics_compat="off"))
+    engine = SimpleNamespace(settings=SimpleNamespace(served_name="embedder"))
+    leased = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(metrics=metrics)),
+                             state=SimpleNamespace(model_leases=[SimpleNamespace(engine=engine)]))
+    draining = SimpleNamespace(app=leased.app, state=SimpleNamespace())
+    rejected(leased, APIError(429, "queue full"))
+    rejected(draining, APIError(503, "shutting down"))
+    page = Metrics.parse(generate_latest(metrics.registry).decode())
+    assert page.value("kvserve_request_rejected_total", model_name="embedder", status="429") == 1
+    assert page.value("kvserve_request_rejected_total", model_name="embedder", status="503") == 0
+    assert page.value("kvserve_request_rejected_total", model_name="", status="503") == 1
+    assert page.value("kvserve_request_success_total", model_name="embedder", finish_reason="stop") == 0
 
 
 # --- the compose file ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from kvserve.scheduler.sampling import Sampling
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.speculation import SpecConfig, SpecMode
 from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES, LEARNT, UbatchCost
+from kvserve.testing import read_metrics
 from kvserve.testing.tiny_models import TINY_SWA
 
 # Text that repeats (prompt lookup drafts well) and text that does not (drafts get rejected).
@@ -392,11 +393,10 @@ def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:
         assert predicted["choices"][0]["message"]["content"] == text
         assert details["accepted_prediction_tokens"] > 0
         assert plain["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
-        metrics = httpx.get(f"{url}/metrics").text
-        accepted = [line for line in metrics.splitlines()
-                    if line.startswith('kvserve_spec_accepted_tokens_total{drafter="prediction"}')]
-        assert accepted and float(accepted[0].split()[-1]) == details["accepted_prediction_tokens"]
-        assert 'kvserve_spec_dropped_drafts_total{drafter="ngram",reason="measured"}' in metrics
+        metrics = read_metrics(url)
+        assert metrics.value("kvserve_spec_accepted_tokens_total", drafter="prediction") == \
+            details["accepted_prediction_tokens"]
+        metrics.value("kvserve_spec_dropped_drafts_total", drafter="ngram", reason="measured")  # on the page
         bad = httpx.post(f"{url}/v1/chat/completions", json={**body, "prediction": {"type": "file"}}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
 

@@ -16,7 +16,7 @@ from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request as EngineRequest
 from kvserve.scheduler.request import FinishReason, RequestOutput
 from kvserve.server.errors import APIError, engine_error
-from kvserve.server.metrics import RequestTimer
+from kvserve.server.metrics import NO_MODEL, RequestTimer
 from kvserve.server.shutdown import SHUTTING_DOWN
 
 _log = logging.getLogger("kvserve.server")
@@ -35,9 +35,15 @@ class Answer:
     finish_reasons: list[str] = field(default_factory=list)
 
 
-def rejected(request: Request, error: APIError) -> APIError:
-    """Count a request refused for load (429 or 503) before it is answered."""
-    request.app.state.metrics.rejected.labels(status=str(error.status)).inc()
+def rejected(request: Request, error: APIError, engine: Engine | None = None) -> APIError:
+    """Count a request refused for load (429 or 503) before it is answered, under its model's name:
+    `engine`'s, else the model the request leased (`engine_for`); none yet while draining."""
+    metrics = request.app.state.metrics
+    if engine is None:
+        leases = getattr(request.state, "model_leases", None)
+        engine = leases[-1].engine if leases else None
+    model_name = metrics.model(engine.settings.served_name) if engine is not None else NO_MODEL
+    metrics.rejected.labels(model_name=model_name, status=str(error.status)).inc()
     return error
 
 
@@ -54,15 +60,15 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
         outputs = engine.async_engine.open(job)
     except QueueFull as exc:
         busy = APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-        raise rejected(request, busy) from exc
+        raise rejected(request, busy, engine) from exc
     except EngineStopped as exc:
         raise APIError(503, str(exc), type="server_error", code="shutting_down") from exc
-    served = _Served(outputs, RequestTimer(request.app.state.metrics, job.arrival))
+    served = _Served(outputs, RequestTimer(request.app.state.metrics, job.arrival, engine.settings.served_name))
     try:
         first = await _unless_disconnected(request, outputs.peek())
         if first.error is not None:
             error = engine_error(first.error, first.status)
-            raise rejected(request, error) if error.status == 503 else error
+            raise rejected(request, error, engine) if error.status == 503 else error
         if answer.stream is not None:
             return StreamingResponse(
                 served.ended_after(answer.stream(served.outputs()), answer.finish_reasons, job.n),

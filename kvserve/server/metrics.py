@@ -27,23 +27,19 @@ EngineViews = Callable[[], list[tuple[str, EngineSnapshot, StepTimes, AsyncEngin
 
 
 class _EngineCollector(Collector):
-    """Each loaded model's engine numbers; with several models (`labelled`), each sample carries its
-    `model_name` (vLLM's label), and a model that is not loaded has no samples."""
+    """Each loaded model's engine numbers, each sample labelled with its `model_name` (vLLM's label),
+    one model or several; a model that is not loaded has no samples."""
 
-    def __init__(self, engines: EngineViews, labelled: bool) -> None:
+    def __init__(self, engines: EngineViews) -> None:
         self._engines = engines
-        self._labelled = labelled
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
         for name, snapshot, times, queue in self._engines():
             for family in self._families(snapshot, times, queue):
-                if not self._labelled:
-                    yield family
-                    continue
                 into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 for sample in family.samples:
-                    into.add_sample(sample.name, {**sample.labels, "model_name": name}, sample.value)
+                    into.add_sample(sample.name, {"model_name": name, **sample.labels}, sample.value)
         yield from merged.values()
 
     @staticmethod
@@ -196,69 +192,134 @@ class _VllmCollector(Collector):
         )
 
 
+# The refusals that come before any model is picked (a replica draining) count under this model_name:
+# empty, which Prometheus stores as no label at all.
+NO_MODEL = ""
+
+
 class Metrics:
+    """Per-request series, each labelled with the served model's `model_name` (one model or several,
+    as vLLM does), the engine collector's (the same label), and the server-wide ones: refusals while
+    draining (`model_name` empty), `kvserve_unexpected_errors{route}` and `process_*`."""
+
     def __init__(self, engines: EngineViews, settings: ServerSettings) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("kvserve_generation_tokens", "Generated tokens", registry=r)
+        self._engines = engines
+        model = ["model_name"]
+        self.prompt_tokens = Counter(
+            "kvserve_prompt_tokens", "Prompt tokens of finished requests", model, registry=None
+        )
+        self.generation_tokens = Counter("kvserve_generation_tokens", "Generated tokens", model, registry=None)
         self.success = Counter(
-            "kvserve_request_success", "Finished requests by finish reason", ["finish_reason"], registry=r
+            "kvserve_request_success", "Finished requests by finish reason", [*model, "finish_reason"], registry=None
         )
         self.ttft = Histogram(
-            "kvserve_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+            "kvserve_time_to_first_token_seconds", "Arrival to first token", model, buckets=_LATENCY_BUCKETS,
+            registry=None,
         )
         self.itl = Histogram(
-            "kvserve_inter_token_latency_seconds", "Time between streamed tokens", buckets=_TOKEN_BUCKETS, registry=r
+            "kvserve_inter_token_latency_seconds", "Time between streamed tokens", model, buckets=_TOKEN_BUCKETS,
+            registry=None,
         )
         self.e2e = Histogram(
-            "kvserve_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
+            "kvserve_e2e_request_latency_seconds", "Arrival to last token", model, buckets=_LATENCY_BUCKETS,
+            registry=None,
         )
         self.queue = Histogram(
-            "kvserve_request_queue_time_seconds", "Arrival to admission", buckets=_LATENCY_BUCKETS, registry=r
+            "kvserve_request_queue_time_seconds", "Arrival to admission", model, buckets=_LATENCY_BUCKETS,
+            registry=None,
         )
         self.rejected = Counter(
-            "kvserve_request_rejected", "Requests refused for load: queue full (429), queue timeout or shutdown (503)",
-            ["status"], registry=r,
+            "kvserve_request_rejected", "Requests refused for load: a model's queue full (429), its queue timeout "
+            "or its engine stopping (503); model_name empty: refused while the server drains (503)",
+            [*model, "status"], registry=None,
         )
         self.unexpected = Counter(
             "kvserve_unexpected_errors", "Requests a server bug ended (500 server_error, traceback in the log)",
             ["route"], registry=r,
         )
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: the memory a soak watches
-        # Every label value exists from the start, at 0: a series born at 1 on its first 429 or error
-        # is one increase()/rate() cannot see, so the alerts on them would miss it.
-        for reason in [*(r.value for r in FinishReason), TOOL_CALLS]:
-            self.success.labels(finish_reason=reason)
-        for status in ("429", "503"):
-            self.rejected.labels(status=status)
-        r.register(_EngineCollector(engines, labelled=settings.many_models))
+        self._by_model = (self.prompt_tokens, self.generation_tokens, self.success, self.ttft, self.itl, self.e2e,
+                          self.queue, self.rejected)
+        self._models: set[str] = set()
+        # Every label value exists at 0 before its first count: a series born at 1 on its first 429 or
+        # error is one increase()/rate() cannot see, so the alerts on them would miss it. A model's are
+        # made when it loads (`model`); the draining refusal, of no model, from the server's start.
+        self.rejected.labels(model_name=NO_MODEL, status="503")
+        r.register(_PerModelSeries(self, self._by_model))
+        r.register(_EngineCollector(engines))
         if settings.metrics_compat == "vllm":
             r.register(_VllmCollector(engines))
 
+    def model(self, name: str) -> str:
+        """`name`, once its model's series exist, each label value at 0. A model's series begin at its
+        load: a scrape makes those of every model loaded then, before reading them, and a request those
+        of its model, before counting anything; so Prometheus sees them as if the load had made them,
+        at 0 in every scrape from the load until the first count (kept out of app.py and the model set,
+        which need not know of metrics). They stay once made: a model unloaded and loaded again counts
+        on (its engine series, read live, are absent while it is unloaded)."""
+        if name not in self._models:
+            for reason in [*(r.value for r in FinishReason), TOOL_CALLS]:
+                self.success.labels(model_name=name, finish_reason=reason)
+            for status in ("429", "503"):
+                self.rejected.labels(model_name=name, status=status)
+            for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue):
+                family.labels(model_name=name)
+            self._models.add(name)
+        return name
+
+    def loaded_models(self) -> None:
+        """Make the series of every model loaded now (`model`)."""
+        for name, *_ in self._engines():
+            self.model(name)
+
+
+class _PerModelSeries(Collector):
+    """The per-request families, read through this collector rather than registered on their own so
+    that a scrape first makes the series of every model loaded since the last (`Metrics.model`)."""
+
+    def __init__(self, metrics: Metrics, families: tuple) -> None:
+        self._metrics = metrics
+        self._families = families
+
+    def describe(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield from family.describe()
+
+    def collect(self) -> Iterator[Metric]:
+        self._metrics.loaded_models()
+        for family in self._families:
+            yield from family.collect()
+
 
 class RequestTimer:
-    """Observes one request's latencies from its stream of outputs."""
+    """Observes one request's latencies from its stream of outputs, under its model's `model_name`."""
 
-    def __init__(self, metrics: Metrics, arrival: float) -> None:
+    def __init__(self, metrics: Metrics, arrival: float, model_name: str) -> None:
         self._m = metrics
         self._arrival = arrival
+        self._model = metrics.model(model_name)
+        self._generation_tokens, self._ttft, self._itl, self._prompt_tokens, self._queue, self._e2e = (
+            family.labels(model_name=model_name) for family in (
+                metrics.generation_tokens, metrics.ttft, metrics.itl, metrics.prompt_tokens, metrics.queue,
+                metrics.e2e))
         self._last: float | None = None
 
     def observe(self, output: RequestOutput) -> None:
         n_tokens = sum(len(d.token_ids) for d in output.deltas)
         if n_tokens:
-            self._m.generation_tokens.inc(n_tokens)
+            self._generation_tokens.inc(n_tokens)
             if self._last is None:
-                self._m.ttft.observe(output.at - self._arrival)
+                self._ttft.observe(output.at - self._arrival)
             else:
-                self._m.itl.observe(output.at - self._last)
+                self._itl.observe(output.at - self._last)
             self._last = output.at
         if output.usage is not None:
-            self._m.prompt_tokens.inc(output.usage.prompt_tokens)
-            self._m.queue.observe(output.usage.queue_seconds)
-            self._m.e2e.observe(time.monotonic() - self._arrival)
+            self._prompt_tokens.inc(output.usage.prompt_tokens)
+            self._queue.observe(output.usage.queue_seconds)
+            self._e2e.observe(time.monotonic() - self._arrival)
 
     def finished(self, reasons: list[str]) -> None:
         for reason in reasons:
-            self._m.success.labels(finish_reason=reason).inc()
+            self._m.success.labels(model_name=self._model, finish_reason=reason).inc()
