@@ -17,13 +17,13 @@ const COUNTERS = {
 const $ = (id) => document.getElementById(id);
 const samples = []; // { at, hit, queried, reuses, inplace }, oldest first, WINDOW_MS of them
 
-// The samples of a Prometheus text exposition that carry no label but `model_name` (with several
-// models, each engine series has it), of `model` where they do, by name.
+// The samples of a Prometheus text exposition with no label but `model_name` (every model's series
+// has it), of `model` (with one model, "": its only one), by name.
 function parseMetrics(text, model) {
   const values = {};
   for (const line of text.split("\n")) {
     const match = /^([a-zA-Z_:][\w:]*)(?:\{model_name="((?:[^"\\]|\\.)*)"\})? (\S+)$/.exec(line);
-    if (match && (match[2] === undefined || match[2] === model)) values[match[1]] = Number(match[3]);
+    if (match && (match[2] === undefined || !model || match[2] === model)) values[match[1]] = Number(match[3]);
   }
   return values;
 }
