@@ -191,6 +191,10 @@ class Context:
         copied into it at the next decode. (A ranged copy between streams aborts the process.)"""
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
 
+    def set_threads(self, n: int) -> None:
+        """Decode with `n` threads from the next call on (the engine thread's own pool of workers)."""
+        llama_cpp.llama_set_n_threads(self._ptr, n, n)
+
     def clear(self) -> None:
         """Forget every sequence."""
         llama_cpp.llama_memory_clear(self._mem, True)

@@ -8,11 +8,11 @@ keeps serving HTTP while a step runs.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+from kvserve.scheduler.cores import CORES
 from kvserve.scheduler.embeddings import EmbeddingJob
 from kvserve.scheduler.request import Request, RequestOutput
 from kvserve.scheduler.scheduler import Scheduler
@@ -79,12 +79,10 @@ def _is_last(output: RequestOutput) -> bool:
     return output.usage is not None or output.error is not None
 
 
-_TURN = threading.Lock()  # the steps of the loaded models' engines run one at a time
-
-
 class AsyncEngine:
-    def __init__(self, scheduler: Scheduler, max_queue: int, stall_seconds: float) -> None:
+    def __init__(self, scheduler: Scheduler, max_queue: int, stall_seconds: float, threads: int = 1) -> None:
         self.scheduler = scheduler
+        self.threads = self._threads_now = threads  # --threads: what its contexts were made with
         self.max_queue = max_queue
         self.stall_watch = StallWatch(scheduler, stall_seconds, self.call)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
@@ -123,6 +121,7 @@ class AsyncEngine:
                 except asyncio.CancelledError:
                     pass
         self._executor.shutdown(wait=True)
+        CORES.leave(self)
 
     def run_now(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread before the engine starts, and wait for it. llama.cpp's CPU
@@ -161,9 +160,12 @@ class AsyncEngine:
             job.future.cancel()  # no-op once it has a result; otherwise the engine drops the job
 
     def _step(self) -> list[RequestOutput]:
-        """One step, in turn with every other model's engine: each uses all of `--threads`, and two
-        decoding at once would fight for the cores (llama.cpp's workers spin at their barriers)."""
-        with _TURN:
+        """One step with this engine's share of the threads (`CORES`: all of them while no other
+        model's engine has work)."""
+        with CORES.share(self, self.threads, self.scheduler.has_work) as n:
+            if n != self._threads_now:
+                self.scheduler.set_threads(n)
+                self._threads_now = n
             return self.scheduler.step()
 
     def _check_room(self) -> None:

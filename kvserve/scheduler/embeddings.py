@@ -19,6 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from collections import deque
@@ -108,6 +110,12 @@ class Embedder:
                 n_threads=self.config.n_threads, flash_attn="off", embeddings=True,
                 pooling=POOLING[self.config.pooling]))
         return self._ctx
+
+    def set_threads(self, n: int) -> None:
+        """Embed with `n` threads from the next batch on (the context, made later, starts so too)."""
+        self.config = dataclasses.replace(self.config, n_threads=n)
+        if self._ctx is not None:
+            self._ctx.set_threads(n)
 
     @property
     def memory_bytes(self) -> int:

@@ -116,7 +116,7 @@ class Engine:
         if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:
             _log.warning("speculative decoding is off: this model's KV rows cannot be cut back "
                          "(a recurrent state)")
-        async_engine = AsyncEngine(scheduler, server.max_queue, server.stall_seconds)
+        async_engine = AsyncEngine(scheduler, server.max_queue, server.stall_seconds, settings.threads)
         if scheduler.speculator.enabled and spec.mode is SpecMode.AUTO:
             # what a step of each size costs, before any request pays to learn it
             scheduler.speculator.cost.calibrate(async_engine.run_now(lambda: ctx.time_ubatches(list(CALIBRATION_SIZES))))

@@ -68,6 +68,7 @@ class Scheduler:
         self.queues = Queues()
         self.times = StepTimes()
         self.kv = KvManager(pool, cache, draft)
+        self.draft = draft
         tree = getattr(cache, "tree", None)
         self.speculator = Speculator(spec or SpecConfig(), TreeDrafter(tree) if tree is not None else None,
                                      self.kv.cuts_rows, draft, pool.ctx.n_ubatch)
@@ -101,6 +102,14 @@ class Scheduler:
     @property
     def waiting(self) -> deque[Request]:
         return self.queues.waiting
+
+    def set_threads(self, n: int) -> None:
+        """Every context of this engine decodes with `n` threads from its next call (engine thread)."""
+        self.pool.ctx.set_threads(n)
+        if self.embedder is not None:
+            self.embedder.set_threads(n)
+        if self.draft is not None:
+            self.draft.ctx.set_threads(n)
 
     def has_work(self) -> bool:
         return bool(self._inbox or self._aborts or self.waiting or self.running

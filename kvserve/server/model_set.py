@@ -191,6 +191,8 @@ class ModelSet:
     def _load_task(self, model: ServedModel) -> asyncio.Task:
         if model.loading is None:
             model.loading = asyncio.ensure_future(self._load(model))
+            # its waiters hear of a failure; one that no request waits for any more is not an error to log
+            model.loading.add_done_callback(lambda task: task.cancelled() or task.exception())
         return model.loading
 
     # -- loading and unloading ---------------------------------------------------------------------
