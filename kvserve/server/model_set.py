@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -93,7 +93,7 @@ class ServedModel:
 class Lease:
     model: ServedModel
     engine: Engine
-    released: bool = field(default=False)
+    released: bool = False
 
     def release(self) -> None:
         if not self.released:
