@@ -181,6 +181,22 @@ class ServerSettings(BaseModel):
         "(default: a quarter of RAM), shared by the loaded models",
     )
     prefix_cache_mb: float | None = Field(None, ge=0, description="alias of --prefix-state-mb")
+    prefix_disk_dir: Path | None = Field(
+        None, description="a folder for what outlives the process: prefix-cache pages on disk (written behind, "
+        "found again after a restart or a crash) and the kept responses (SQLite); one server per folder",
+    )
+    prefix_disk_mb: float = Field(
+        0.0, ge=0, description="the disk tier's budget, in MiB (0: a quarter of the folder's free space at start)"
+    )
+    kv_events: str | None = Field(
+        None, description="publish KV cache events for routers, in vLLM's format, on this ZMQ PUB address (tcp://*:5557)"
+    )
+    kv_events_replay: str | None = Field(
+        None, description="a ZMQ ROUTER address that replays missed event batches from a sequence number"
+    )
+    kv_events_topic: str = Field(
+        "kv@{pod}@{model}", description="the events' topic; {pod} is the host name (or $POD_NAME), {model} the model's name"
+    )
     response_store_count: int = Field(1024, ge=0, description="most responses kept for previous_response_id (0: none)")
     response_store_mb: float = Field(128.0, ge=0, description="byte budget of kept responses, in MiB")
     response_store_ttl: float = Field(3600.0, gt=0, description="seconds a kept response stays retrievable")
