@@ -35,6 +35,7 @@ from kvserve.cache.page_cache import Chain, PageCache
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.cache.state_cache import Checkpoint, StateCache
+from kvserve.cache.tiers import Tiers
 from kvserve.llama.context import Context, ContextParams, FlashAttn
 from kvserve.llama.kv_types import KvType
 from kvserve.llama.model import Model
@@ -43,16 +44,17 @@ DEFAULT_CACHE_BUDGET = 256 * 1024 * 1024
 
 
 def create_prefix_cache(ctx: Context, page_rows: int, *, enabled: bool = True,
-                        budget_bytes: int = DEFAULT_CACHE_BUDGET, max_states: int = 16) -> PrefixCache:
+                        budget_bytes: int = DEFAULT_CACHE_BUDGET, max_states: int = 16,
+                        tiers: Tiers = Tiers()) -> PrefixCache:
     """The cache serving `ctx`'s sessions, within `budget_bytes` of host memory (one store): pages
-    for attention models, checkpoints (at most `max_states`) for models that carry state, nothing
-    when not `enabled`."""
+    for attention models (also on disk and announced, as `tiers` say), checkpoints (at most
+    `max_states`) for models that carry state, nothing when not `enabled`."""
     if not enabled:
         return NoCache()
     store: HostStore = HostStore(budget_bytes)
     if ctx.model.info.carries_state:
         return StateCache(ctx, page_rows, store, max_states)
-    return PageCache(ctx, page_rows, store)
+    return PageCache(ctx, page_rows, store, tiers)
 
 
 def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, n_streams: int = 8,
@@ -75,6 +77,6 @@ def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, 
 __all__ = [
     "CacheStats", "Chain", "Chat", "Checkpoint", "HostStore", "KvPool", "Mark", "MarkKind", "MarkedTurn", "NoCache",
     "PageCache",
-    "PoolExhausted", "PrefixCache", "PrefixKey", "Session", "StateCache", "StreamPool", "add_assistant", "add_user",
+    "PoolExhausted", "PrefixCache", "PrefixKey", "Session", "StateCache", "StreamPool", "Tiers", "add_assistant", "add_user",
     "create_chat_renderer", "create_kv_pool", "create_prefix_cache", "render_turn_marked",
 ]

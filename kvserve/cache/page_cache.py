@@ -21,6 +21,14 @@ Invariants:
   (`checkpoint_at`), and `insert` there keeps the window with the pages: new pages carry it as
   read, pages already cached get it from a PARTIAL_ONLY read (`SeqState.read_window`). Those rows
   are part of the pages' bytes, within the same budget.
+
+With a disk tier (`Tiers.disk`), every page stored in host memory is also written behind to disk,
+named by its key (page_key.py), and a window that fills a page later rewrites it there. A prompt
+matches the tree's pages, then the run of keys that follow them on disk; attach reads those files
+(each checked by the store, then against this context's layout: a page that fails either is
+discarded, never attached) into the tree and the host store, as if donated, and attaches them all.
+Pages evicted from host memory stay on disk. Each page entering or leaving host memory is an event
+(`Tiers.events`); the disk store announces its own.
 """
 
 from __future__ import annotations
@@ -31,11 +39,13 @@ from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
+from kvserve.cache.page_key import page_key, row_format
 from kvserve.cache.page_tree import PageNode, PageTree
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.context import Context
-from kvserve.llama.seq_state import KvPage, SeqState
+from kvserve.cache.tiers import Tiers
+from kvserve.llama.seq_state import KvPage, SeqState, StateFormatError
 
 
 @dataclass(eq=False)
@@ -68,7 +78,7 @@ class PageCache(PrefixCache):
     keeps = "pages"
     donates_prompt = True
 
-    def __init__(self, ctx: Context, page_rows: int, store: HostStore[PageNode, KvPage]) -> None:
+    def __init__(self, ctx: Context, page_rows: int, store: HostStore[PageNode, KvPage], tiers: Tiers = Tiers()) -> None:
         if ctx.model.info.carries_state:
             raise ValueError("KV pages cannot restore a recurrent state; this model needs checkpoints")
         if page_rows < 1:
@@ -76,7 +86,7 @@ class PageCache(PrefixCache):
         self.ctx = ctx
         self.rows = SeqState(ctx)
         self.page_rows = page_rows
-        self.tree = PageTree(page_rows)
+        self.tree = PageTree(page_rows, row_format(ctx, page_rows).digest())
         self.chains: dict[int, Chain] = {}
         self.store = store
         store.on_evict = self._evicted
@@ -86,6 +96,10 @@ class PageCache(PrefixCache):
         self._evicted_pages = 0
         self._next_chain = 1
         self.windows_filled = 0  # windows read alone into pages already cached (PARTIAL_ONLY)
+        self.tiers = tiers
+        self.disk_refused = 0  # pages read from disk that did not fit this context's layout
+        if tiers.disk is not None:
+            self.rows.learn_layout(0, max(ctx.model.bos, 0))  # disk pages restore before any donation
 
     @property
     def held_pages(self) -> int:
@@ -104,25 +118,67 @@ class PageCache(PrefixCache):
 
     # -- lookup -------------------------------------------------------------------------------------
 
-    def _match(self, key: PrefixKey) -> list[PageNode]:
+    def _match(self, key: PrefixKey) -> tuple[list[PageNode], list[bytes]]:
         """The longest run of whole pages `attach` can restore, leaving a token of `key` to evaluate
-        (a sliding-window model's pages may lack the window before a shorter run's end)."""
-        path = self.tree.match(key, max(len(key.tokens) - 1, 0) // self.page_rows)
+        (a sliding-window model's pages may lack the window before a shorter run's end): the tree's
+        path, then the keys of the pages after it on disk."""
+        most = max(len(key.tokens) - 1, 0) // self.page_rows
+        path = self.tree.match(key, most)
+        on_disk = self._disk_run(key, path, most)
         if self.rows.n_swa:
-            pages = [self.store.peek(node) for node in path]
-            while path and not self.rows.restorable(pages, len(path) * self.page_rows):
-                path.pop()
-        return path
+            pages = [self.store.peek(node) for node in path] + self._disk_outlines(on_disk, len(path))
+            while pages and not self.rows.restorable(pages, len(pages) * self.page_rows):
+                pages.pop()
+            del on_disk[max(len(pages) - len(path), 0):]
+            del path[len(pages):]
+        return path, on_disk
+
+    def _disk_run(self, key: PrefixKey, path: list[PageNode], most: int) -> list[bytes]:
+        """The keys of the pages of `key` after `path` that the disk holds, in a run."""
+        disk, rows = self.tiers.disk, self.page_rows
+        if disk is None or len(path) >= most:
+            return []
+        parent = path[-1].key if path else self.tree.root(key.namespace).key
+        found: list[bytes] = []
+        for start in range(len(path) * rows, most * rows, rows):
+            parent = page_key(parent, key.tokens[start : start + rows])
+            if not disk.contains(parent):
+                break
+            found.append(parent)
+        return found
+
+    def _disk_outlines(self, keys: list[bytes], first_page: int) -> list[KvPage]:
+        """The pages of `keys` as row counts (from their sizes), for `restorable`."""
+        outlines = []
+        for i, key in enumerate(keys):
+            entry = self.tiers.disk.entry(key) if self.tiers.disk is not None else None
+            if entry is None:
+                break
+            outlines.append(self.rows.page_outline(entry.nbytes, (first_page + i) * self.page_rows, self.page_rows))
+        return outlines
 
     def match_len(self, key: PrefixKey) -> int:
-        """Tokens `attach` would attach right now. Changes no hit count and no recency."""
-        return len(self._match(key)) * self.page_rows
+        """Tokens `attach` would attach right now, from host memory and disk. Changes no hit count
+        and no recency."""
+        path, on_disk = self._match(key)
+        return (len(path) + len(on_disk)) * self.page_rows
+
+    def matched_keys(self, key: PrefixKey) -> list[bytes]:
+        """The keys of the pages `attach` would attach now, in order. Touches nothing."""
+        path, on_disk = self._match(key)
+        return [node.key for node in path] + on_disk
 
     def attach(self, session: Session, key: PrefixKey) -> list[int]:
         """Set the longest cached run of whole pages of `key` into an empty session's stream."""
         self.check_attachable(session, key)
-        path = self._match(key)
+        path, on_disk = self._match(key)
         self._queried_tokens += len(key.tokens)
+        if on_disk:
+            self._lock(session, path)  # keep them while storing the pages read evicts
+            path = path + self._read_disk(session, key, path, on_disk)
+            if self.rows.n_swa:
+                while path and not self.rows.restorable([self.store.peek(n) for n in path], len(path) * self.page_rows):
+                    path.pop()
         if not path:
             return []
         n = len(path) * self.page_rows
@@ -198,17 +254,46 @@ class PageCache(PrefixCache):
         for node, old, new in zip(path, pages, filled):
             if new is not old:
                 self.store.replace(node, new)
+                self._write_behind(node, new, replace=True)
         self.windows_filled += 1
 
-    def _add_pages(self, session: Session, tokens: list[int], chain: Chain, pages: list[KvPage]) -> list[PageNode]:
+    def _read_disk(self, session: Session, key: PrefixKey, path: list[PageNode], keys: list[bytes]) -> list[PageNode]:
+        """Read the pages of `keys` (the run after `path`) from disk into the tree and the host store,
+        locked for the session, until one is missing, refused or does not fit."""
+        disk, rows = self.tiers.disk, self.page_rows
+        assert disk is not None
+        pages: list[KvPage] = []
+        for i, page_key_ in enumerate(keys):
+            data = disk.get(page_key_)
+            if data is None:
+                break
+            start = (len(path) + i) * rows
+            try:
+                pages.append(self.rows.page_from_bytes(data, start, rows))
+            except StateFormatError:
+                disk.discard(page_key_)
+                self.disk_refused += 1
+                break
+        if not pages:
+            return []
+        chain = Chain(id=self._next_chain, path=list(path), preview="(from disk)", namespace=key.namespace)
+        added = self._add_pages(session, list(key.tokens), chain, pages, write=False)
+        if added:
+            self._next_chain += 1
+            self.chains[chain.id] = chain
+            chain.path = path + added
+        return added
+
+    def _add_pages(self, session: Session, tokens: list[int], chain: Chain, pages: list[KvPage],
+                   write: bool = True) -> list[PageNode]:
         """Store `pages` under the end of `chain.path`, locked for the session, until one does not fit."""
         parent = chain.path[-1] if chain.path else self.tree.root(chain.namespace)
         added: list[PageNode] = []
         for page in pages:
-            key = tuple(tokens[page.start : page.end])
+            tokens_of_page = tuple(tokens[page.start : page.end])
             if not self.store.fits(page.nbytes):
                 break
-            node = self.tree.add_child(parent, key, chain.id)
+            node = self.tree.add_child(parent, tokens_of_page, chain.id)
             if not self.store.put(node, page, lock=True):
                 self.tree.remove_leaf(node)
                 break
@@ -216,8 +301,21 @@ class PageCache(PrefixCache):
                 self.store.lock(parent)  # a parent goes only after its children
             self._locks.setdefault(session, []).append(node)
             added.append(node)
+            if write:
+                self._write_behind(node, page)
             parent = node
+        if self.tiers.events is not None:
+            self.tiers.events.stored(added)
         return added
+
+    def _write_behind(self, node: PageNode, page: KvPage, replace: bool = False) -> None:
+        """Queue `node`'s page for the disk (serialized on the disk's writer thread)."""
+        disk = self.tiers.disk
+        if disk is None or node.parent is None:
+            return
+        seed = self.tree.root(node.namespace).key
+        disk.put(node.key, node.parent.key, seed, node.tokens, lambda: self.rows.page_bytes(page),
+                 tag=self.tiers.tag, replace=replace)
 
     # -- locks ----------------------------------------------------------------------------------------
 
@@ -237,6 +335,8 @@ class PageCache(PrefixCache):
         """The store evicted `node`'s page (an unlocked leaf's): drop the node, free its parent."""
         self._drop(node)
         self._evicted_pages += 1
+        if self.tiers.events is not None:
+            self.tiers.events.removed([node.key])
 
     def _drop(self, node: PageNode) -> None:
         self.tree.remove_leaf(node)
@@ -255,9 +355,15 @@ class PageCache(PrefixCache):
         """Drop every page; no session may still hold one."""
         if any(self._locks.values()):
             raise RuntimeError("sessions still read cached pages: end them first")
-        for node in self.tree.leaves_first():
+        nodes = self.tree.leaves_first()
+        for node in nodes:
             self.store.discard(node)
             self._drop(node)
+        if self.tiers.events is not None:
+            if self.tiers.disk is None:
+                self.tiers.events.cleared()
+            else:
+                self.tiers.events.removed([node.key for node in nodes])
 
     # -- what metrics and dashboards read -------------------------------------------------------------
 

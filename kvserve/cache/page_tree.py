@@ -7,7 +7,9 @@ Invariants:
 - a node's page covers positions [depth*page_rows, (depth+1)*page_rows) of every prompt that reaches it;
 - a page shared by many donations is one node, whose rows are stored once (the host store keys
   them by node);
-- a hot node's ancestors are hot (they were attached with it).
+- a hot node's ancestors are hot (they were attached with it);
+- a node's `key` is `page_key(parent's key, its tokens)`, a root's the seed of its namespace under the
+  tree's row format (kvserve/cache/page_key.py), and `by_key` finds every node by it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from kvserve.cache.page_key import namespace_seed, page_key
 from kvserve.cache.prefix_key import PrefixKey
 
 _clock = itertools.count(1)
@@ -28,9 +31,10 @@ def tick() -> int:
 
 @dataclass(eq=False)
 class PageNode:
-    key: tuple[int, ...]
+    tokens: tuple[int, ...]
     parent: "PageNode | None"
     depth: int
+    key: bytes = b""  # the page's name (page_key.py)
     namespace: str = ""
     chain_id: int = 0  # the donation that created this page
     children: dict[tuple[int, ...], "PageNode"] = field(default_factory=dict)
@@ -47,15 +51,18 @@ class PageNode:
 
 
 class PageTree:
-    def __init__(self, page_rows: int) -> None:
+    def __init__(self, page_rows: int, rows: bytes = b"") -> None:
         self.page_rows = page_rows
+        self.rows = rows  # the digest of the row format (`RowFormat.digest`) that seeds every key
         self.roots: dict[str, PageNode] = {}  # by namespace
+        self.by_key: dict[bytes, PageNode] = {}
         self.n_nodes = 0
         self.n_cold = 0  # nodes no attach has hit
 
     def root(self, namespace: str) -> PageNode:
         """The root of `namespace`'s tree (a new, empty one is kept once a page is added under it)."""
-        return self.roots.get(namespace) or PageNode(key=(), parent=None, depth=-1, namespace=namespace)
+        return self.roots.get(namespace) or PageNode(tokens=(), parent=None, depth=-1, namespace=namespace,
+                                                     key=namespace_seed(self.rows, namespace))
 
     def pages_of(self, tokens: list[int], n_pages: int) -> Iterator[tuple[int, ...]]:
         rows = self.page_rows
@@ -91,19 +98,21 @@ class PageTree:
         partial = tuple(tokens[len(path) * rows :])
         out: list[int] = []
         while len(out) < k:
-            children = [c for key, c in node.children.items() if key[: len(partial)] == partial]
+            children = [c for tokens, c in node.children.items() if tokens[: len(partial)] == partial]
             if not children:
                 break
             node = max(children, key=lambda c: c.hits)
-            out.extend(node.key[len(partial) :])
+            out.extend(node.tokens[len(partial) :])
             partial = ()
         return out[:k]
 
-    def add_child(self, parent: PageNode, key: tuple[int, ...], chain_id: int) -> PageNode:
-        node = PageNode(key=key, parent=parent, depth=parent.depth + 1, namespace=parent.namespace, chain_id=chain_id)
+    def add_child(self, parent: PageNode, tokens: tuple[int, ...], chain_id: int) -> PageNode:
+        node = PageNode(tokens=tokens, parent=parent, depth=parent.depth + 1, namespace=parent.namespace,
+                        chain_id=chain_id, key=page_key(parent.key, tokens))
         if parent.is_root:
             self.roots.setdefault(parent.namespace, parent)
-        parent.children[key] = node
+        parent.children[tokens] = node
+        self.by_key[node.key] = node
         self.n_nodes += 1
         self.n_cold += 1
         return node
@@ -116,7 +125,8 @@ class PageTree:
     def remove_leaf(self, node: PageNode) -> None:
         assert node.is_leaf and node.parent is not None
         parent = node.parent
-        del parent.children[node.key]
+        del parent.children[node.tokens]
+        del self.by_key[node.key]
         if parent.is_root and not parent.children:
             del self.roots[parent.namespace]
         node.alive = False

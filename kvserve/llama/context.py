@@ -123,6 +123,11 @@ class Context:
         self._n_vocab = model.info.n_vocab
 
     @property
+    def state_version(self) -> str:
+        """Which format `read_seq_state` writes: llama.cpp's state version and the pinned library's."""
+        return f"{llama_cpp.LLAMA_STATE_SEQ_VERSION}/{llama_cpp.__version__}"
+
+    @property
     def ptr(self) -> llama_cpp.llama_context_p:
         return self._ptr
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +18,9 @@ _SPECIAL = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER
 # Vocabularies whose `add_special` means exactly BOS first (if wanted) and EOS last (if wanted),
 # and whose fragments tokenize independently (read and tested: SentencePiece, BPE).
 _BOS_EOS_TYPES = (llama_cpp.LLAMA_VOCAB_TYPE_SPM, llama_cpp.LLAMA_VOCAB_TYPE_BPE)
+
+
+_FINGERPRINT_SPAN = 1 << 20
 
 
 class ModelLoadError(RuntimeError):
@@ -73,6 +77,24 @@ class Model:
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
         self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.adds_eos = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A digest of the file as llama.cpp loaded it: its size, its first and last MiB (the GGUF
+        header and metadata, the last tensor's bytes) and llama.cpp's description of the model. The
+        same file gives the same one in every process, without reading gigabytes."""
+        digest = hashlib.sha256()
+        path = Path(self.info.path)
+        size = path.stat().st_size
+        digest.update(f"{size}\0{self.info.size_bytes}\0{self.info.n_vocab}\0".encode())
+        with path.open("rb") as file:
+            digest.update(file.read(_FINGERPRINT_SPAN))
+            file.seek(max(size - _FINGERPRINT_SPAN, 0))
+            digest.update(file.read(_FINGERPRINT_SPAN))
+        desc = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self._ptr, desc, len(desc))
+        digest.update(desc.value)
+        return digest.hexdigest()
 
     @cached_property
     def _cuts(self) -> SpecialCuts | None:

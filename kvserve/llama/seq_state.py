@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
+from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context
 
 _MAGIC = 0xAF143CD8
@@ -151,6 +152,77 @@ class SeqState:
     def row_bytes(self) -> int:
         """K and V bytes of one token over every layer (0 until a sequence was read)."""
         return sum(b.row_bytes for s in self._layout or () for b in s.blocks)
+
+    @property
+    def knows_layout(self) -> bool:
+        return self._layout is not None
+
+    def learn_layout(self, seq: int, token: int) -> None:
+        """Learn the layout from one `token` decoded alone at position 0 of the empty stream `seq`
+        (left empty again): what a restored page needs when no sequence was read since start."""
+        if self._layout is not None:
+            return
+        if self.ctx.seq_pos_max(seq) >= 0:
+            raise ValueError("learn_layout needs an empty stream")
+        batch = Batch(1)
+        try:
+            batch.add(token, 0, seq, False)
+            self.ctx.decode(batch)
+            self.parse(self.ctx.read_seq_state(seq))
+        finally:
+            batch.close()
+            self.ctx.seq_rm(seq)
+        if self._layout is None:
+            raise StateFormatError("one token's state did not show the layout")
+
+    # -- pages as bytes (the disk tier's payload) ----------------------------------------------------
+
+    def page_bytes(self, page: KvPage) -> list[np.ndarray]:
+        """`page` as bytes `page_from_bytes` reads back: u32 start, n_rows, n_tables, per table its
+        row count and width, then each table's rows. Pure: safe on any thread."""
+        head = [page.start, page.n_rows, len(page.tables)]
+        for table in page.tables:
+            head += [len(table), table.shape[1] if table.ndim == 2 else 0]
+        return [np.asarray(head, dtype="<u4").view(np.uint8), *(np.ascontiguousarray(t).reshape(-1) for t in page.tables)]
+
+    def page_from_bytes(self, data: bytes | memoryview, start: int, n_rows: int) -> KvPage:
+        """The page `page_bytes` wrote, checked against the layout this context reads (each section's
+        row width, every full-attention row present, sliding-window rows a suffix) and against the
+        place it is to fill; StateFormatError for anything else."""
+        if self._layout is None:
+            raise StateFormatError("no layout learned yet")
+        raw = np.frombuffer(data, np.uint8)
+        n_head = 3 + 2 * len(self._layout)
+        if raw.size < 4 * n_head:
+            raise StateFormatError("a page shorter than its header")
+        head = raw[: 4 * n_head].view("<u4").astype(np.int64)
+        if (int(head[0]), int(head[1]), int(head[2])) != (start, n_rows, len(self._layout)):
+            raise StateFormatError("a page of another place or another section count")
+        tables, at = [], 4 * n_head
+        for i, section in enumerate(self._layout):
+            rows, width = int(head[3 + 2 * i]), int(head[4 + 2 * i])
+            if width != section.width or rows > n_rows or (rows != n_rows and not section.sliding):
+                raise StateFormatError("a page whose rows do not fit this context's layout")
+            table = raw[at : at + rows * width]
+            if table.size != rows * width:
+                raise StateFormatError("a page that ends early")
+            tables.append(table.reshape(rows, width))
+            at += rows * width
+        if at != raw.size:
+            raise StateFormatError("a page with bytes past its tables")
+        return KvPage(start, n_rows, tuple(tables))
+
+    def page_outline(self, nbytes: int, start: int, n_rows: int) -> KvPage:
+        """A page of `nbytes` as `page_bytes` wrote it, without its rows: the row count of each section
+        (tables of width 0), enough for `restorable` to say whether it restores a prefix."""
+        if self._layout is None:
+            raise StateFormatError("no layout learned yet")
+        body = nbytes - 4 * (3 + 2 * len(self._layout))
+        counts = [n_rows] * len(self._layout)
+        if len(self._layout) == 2:
+            rest = body - n_rows * self._layout[0].width
+            counts[1] = rest // self._layout[1].width if self._layout[1].width else 0
+        return KvPage(start, n_rows, tuple(np.empty((max(0, min(c, n_rows)), 0), np.uint8) for c in counts))
 
     # -- out of a sequence --------------------------------------------------------------------------
 

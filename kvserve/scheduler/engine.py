@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvserve.cache import create_kv_pool
 from kvserve.cache.kv_pool import KvPool
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.tiers import Tiers
 from kvserve.config import ModelSettings, ServerSettings
 from kvserve.llama.attention_check import FlashAttnChoice, choose_flash_attn
 from kvserve.llama.chat_template import ChatTemplate
@@ -65,21 +66,21 @@ class Engine:
 
     @classmethod
     def load(cls, settings: ModelSettings, server: ServerSettings, cache_mb: float | None = None,
-             kept: PrefixCache | None = None) -> "Engine":
+             kept: PrefixCache | None = None, tiers: Tiers = Tiers()) -> "Engine":
         """`settings`' model, served within `server`'s queue limits, its prefix cache within `cache_mb` of
         host memory (default: all of `--prefix-state-mb`), or `kept`: what `close(keep_cache=True)` gave
         back of an engine of the same file and settings."""
         model = Model(settings.model)
         try:
             return cls._load(model, embedder_settings(settings) if model.info.embedding_only else settings, server,
-                             server.prefix_state_mb if cache_mb is None else cache_mb, kept)
+                             server.prefix_state_mb if cache_mb is None else cache_mb, kept, tiers)
         except BaseException:
             model.close()
             raise
 
     @classmethod
     def _load(cls, model: Model, settings: ModelSettings, server: ServerSettings, cache_mb: float,
-              kept: PrefixCache | None) -> "Engine":
+              kept: PrefixCache | None, tiers: Tiers) -> "Engine":
         attention = flash_attn_for(model, settings)
         lora = LoraAdapters(model, settings.lora_paths()) if settings.lora else None
         # a stream of --ctx-size cells per running sequence: llama.cpp's n_ctx is their sum
@@ -88,7 +89,7 @@ class Engine:
             n_batch=settings.batch_size, n_threads=settings.threads,
             flash_attn="on" if attention.enabled else "off", kv_types=kv_types(settings),
             enabled=settings.prefix_cache, budget_bytes=int(cache_mb * MIB),
-            max_states=settings.prefix_states, kept=kept,
+            max_states=settings.prefix_states, kept=kept, tiers=tiers,
         )
         try:
             draft = load_draft_model(settings, pool, attention)

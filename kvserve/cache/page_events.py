@@ -1,0 +1,79 @@
+"""What a router hears of one model's pages: each page that enters or leaves a tier, as KV events
+(kvserve/cache/kv_events.py publishes them in vLLM's format).
+
+Invariants:
+- a page is announced by its key (page_key.py), its parent's key (None for a namespace's first page)
+  and its exact tokens, so a router rebuilds the chain from the events alone;
+- every page stored in a tier is announced once per tier (`cpu` for host memory, `disk`), and every
+  page that leaves a tier is announced removed from it; a page is gone for a router once every tier
+  it entered removed it;
+- `AllBlocksCleared` only when nothing of the model is left anywhere (no disk tier, host cleared).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from kvserve.cache.page_tree import PageNode
+
+if TYPE_CHECKING:
+    from kvserve.cache.disk_store import DiskEntry, DiskStore
+    from kvserve.cache.kv_events import KvEventPublisher
+
+HOST, DISK = "cpu", "disk"
+
+
+@dataclass(frozen=True)
+class ModelEvents:
+    """One model's page events on the server's publisher."""
+
+    publisher: "KvEventPublisher"
+    model: str
+    page_rows: int
+    lora_of: Callable[[str], str | None] = lambda namespace: None  # a namespace's adapter names
+
+    def stored(self, nodes: list[PageNode], medium: str = HOST) -> None:
+        """`nodes`, a chain from parent to child, entered `medium`."""
+        if not nodes:
+            return
+        first = nodes[0].parent
+        parent = None if first is None or first.is_root else first.key
+        tokens = [t for node in nodes for t in node.tokens]
+        self.publisher.stored(self.model, [node.key for node in nodes], parent, tokens, self.page_rows,
+                              self.lora_of(nodes[0].namespace), medium)
+
+    def removed(self, keys: list[bytes], medium: str = HOST) -> None:
+        if keys:
+            self.publisher.removed(self.model, keys, medium)
+
+    def cleared(self) -> None:
+        self.publisher.cleared(self.model)
+
+
+def disk_listeners(publisher: "KvEventPublisher") -> tuple[Callable[["DiskEntry"], None], Callable[["DiskEntry"], None]]:
+    """The disk store's `on_stored` and `on_removed`: each file's page, on the topic of the model that
+    wrote it (its tag), a first page (parent = its namespace's seed) without a parent."""
+
+    def on_stored(entry: "DiskEntry") -> None:
+        parent = None if entry.parent == entry.seed else entry.parent
+        publisher.stored(entry.tag, [entry.key], parent, list(entry.tokens), len(entry.tokens), None, DISK)
+
+    def on_removed(entry: "DiskEntry") -> None:
+        publisher.removed(entry.tag, [entry.key], DISK)
+
+    return on_stored, on_removed
+
+
+def announce_disk(store: "DiskStore", on_stored: Callable[["DiskEntry"], None]) -> None:
+    """Announce every page the disk holds at start, parents before children."""
+    entries = {entry.key: entry for entry in store.entries()}
+    done: set[bytes] = set()
+    for entry in entries.values():
+        chain = []
+        while entry is not None and entry.key not in done:
+            chain.append(entry)
+            entry = entries.get(entry.parent)
+        for item in reversed(chain):
+            done.add(item.key)
+            on_stored(item)

@@ -1,0 +1,19 @@
+"""Where a model's pages go beyond its host memory, and who hears of them: one disk store and one
+event publisher per server, shared by its models (a page's key names its model, so one folder holds
+them all), and the name the model's files and events carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.cache.disk_store import DiskStore
+    from kvserve.cache.page_events import ModelEvents
+
+
+@dataclass(frozen=True)
+class Tiers:
+    disk: "DiskStore | None" = None
+    events: "ModelEvents | None" = None
+    tag: str = ""  # the model's name, written into each of its page files
