@@ -30,6 +30,7 @@ from kvserve.server.responses import LogprobFormatter, Shape, collect, stream
 from kvserve.server.messages_api import routes as messages_api
 from kvserve.server.messages_api.schemas import AnthropicErrorResponse
 from kvserve.server.responses_api import routes as responses_api
+from kvserve.server.responses_api.sqlite_store import SqliteResponseStore
 from kvserve.server.responses_api.store import ResponseStore
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 from kvserve.server.shutdown import DrainingServer
@@ -125,6 +126,7 @@ def create_app(settings: Settings, specs: list[ModelSpec] | None = None) -> Fast
     """The app over `specs` (default: the models `settings` name); the models marked to load at
     start load before it serves, and every loaded model is released, in order, at shutdown."""
     model_set = ModelSet(settings, catalog(settings) if specs is None else specs)
+    response_store = _response_store(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -134,15 +136,15 @@ def create_app(settings: Settings, specs: list[ModelSpec] | None = None) -> Fast
             yield
         finally:
             await model_set.close()
+            if isinstance(response_store, SqliteResponseStore):
+                response_store.close()
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.api_keys = Keys.of(settings.api_keys(), isolate=settings.cache_isolation == "key")
     app.state.draining = False
     app.state.started = int(time.time())
-    app.state.response_store = ResponseStore(
-        settings.response_store_count, int(settings.response_store_mb * 1024 * 1024), settings.response_store_ttl
-    )
+    app.state.response_store = response_store
     app.state.metrics = Metrics(partial(_engine_views, model_set), settings)
     install_error_handlers(app)
     _document_400s_not_422s(app)
@@ -165,6 +167,15 @@ def create_app(settings: Settings, specs: list[ModelSpec] | None = None) -> Fast
     app.add_middleware(RequestId)
     app.add_middleware(ReleaseLeases)  # outermost: a lease ends after the last byte of its response
     return app
+
+
+def _response_store(settings: Settings) -> ResponseStore | SqliteResponseStore:
+    """Kept responses: in SQLite in the data dir when there is one (they survive a restart), else in memory."""
+    bounds = (settings.response_store_count, int(settings.response_store_mb * 1024 * 1024), settings.response_store_ttl)
+    if settings.prefix_disk_dir is None:
+        return ResponseStore(*bounds)
+    settings.prefix_disk_dir.mkdir(parents=True, exist_ok=True)
+    return SqliteResponseStore(settings.prefix_disk_dir, *bounds)
 
 
 def _engine_views(models: ModelSet) -> list:

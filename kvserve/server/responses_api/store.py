@@ -1,8 +1,10 @@
 """Finished responses kept in memory, for `GET`/`DELETE /v1/responses/{id}` and `previous_response_id`.
 
-Each replica has its own store: nothing is shared or persisted, and a restart empties it. A stored
-response belongs to the API key that created it: another key can neither read, continue nor delete
-it, and is told it does not exist.
+Each replica has its own store, shared with no other. This one is the store of a server without a
+data dir: nothing is persisted, and a restart empties it (with `--prefix-disk-dir` the server keeps
+them in SQLite instead, `sqlite_store`, with the same bounds and owners). A stored response belongs
+to the API key that created it: another key can neither read, continue nor delete it, and is told
+it does not exist.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ class StoredResponse:
     owner: str | None = None  # the id of the key that stored it (None: a server without keys)
 
 
+def size_of(body: dict, context: list[InputItem]) -> int:
+    """Bytes of a response and its context as JSON: what a store's byte budget counts."""
+    return len(json.dumps(body)) + sum(len(item.model_dump_json()) for item in context)
+
+
 class ResponseStore:
     """At most `max_count` responses and `max_bytes` of them; each expires `ttl` seconds after it
     was stored. When a new one does not fit, the oldest go first; one bigger than the whole budget
@@ -42,7 +49,7 @@ class ResponseStore:
 
     def put(self, body: dict, context: list[InputItem], owner: str | None = None) -> bool:
         """Keep `body` under its id, for `owner` alone; False when it does not fit at all."""
-        size = len(json.dumps(body)) + sum(len(item.model_dump_json()) for item in context)
+        size = size_of(body, context)
         if self.max_count < 1 or size > self.max_bytes:
             return False
         entry = StoredResponse(body, context, size, self._clock() + self.ttl, owner)
