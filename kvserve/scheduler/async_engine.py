@@ -2,7 +2,9 @@
 
 One single-thread executor runs every scheduler step and every other call that touches the llama
 context, so llama.cpp only ever sees one thread. `llama_decode` releases the GIL, so the event loop
-keeps serving HTTP while a step runs.
+keeps serving HTTP while a step runs. With no work, the thread does the scheduler's idle work
+(`Scheduler.idle`: a ubatch timing for `--speculative auto`) one short piece at a time, looking for
+requests between pieces.
 """
 
 from __future__ import annotations
@@ -162,11 +164,14 @@ class AsyncEngine:
     def _step(self) -> list[RequestOutput]:
         """One step with this engine's share of the threads (`CORES`: all of them while no other
         model's engine has work)."""
+        return self._with_threads(self.scheduler.step)
+
+    def _with_threads(self, fn: Callable[[], T]) -> T:
         with CORES.share(self, self.threads, self.scheduler.has_work) as n:
             if n != self._threads_now:
                 self.scheduler.set_threads(n)
                 self._threads_now = n
-            return self.scheduler.step()
+            return fn()
 
     def _check_room(self) -> None:
         if not self.running:
@@ -197,6 +202,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             if not self.scheduler.has_work():
+                if self.scheduler.wants_idle():  # one piece of idle work, then look for requests again
+                    await loop.run_in_executor(self._executor, self._with_threads, self.scheduler.idle)
+                    continue
                 await self._wakeup.wait()
             self._wakeup.clear()
             started = time.perf_counter()

@@ -22,7 +22,6 @@ from kvserve.scheduler.draft_model import DraftModel, check_draft_model
 from kvserve.scheduler.embeddings import Embedder, EmbedderConfig, model_pooling
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.speculation import SpecConfig, SpecMode
-from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES
 
 _log = logging.getLogger("kvserve.engine")
 MIB = 1024 * 1024
@@ -118,9 +117,6 @@ class Engine:
             _log.warning("speculative decoding is off: this model's KV rows cannot be cut back "
                          "(a recurrent state)")
         async_engine = AsyncEngine(scheduler, server.max_queue, server.stall_seconds, settings.threads)
-        if scheduler.speculator.enabled and spec.mode is SpecMode.AUTO:
-            # what a step of each size costs, before any request pays to learn it
-            scheduler.speculator.cost.calibrate(async_engine.run_now(lambda: ctx.time_ubatches(list(CALIBRATION_SIZES))))
         template = ChatTemplate.from_model(model, settings.chat_template_file)
         reasoning = resolve_format(settings.reasoning_format, template.source, model.is_one_token)
         _log.info("reasoning format: %s", reasoning.value)

@@ -127,6 +127,32 @@ class Scheduler:
     def preemptions(self) -> int:
         return self.planner.preemptions
 
+    # -- between requests -----------------------------------------------------------------------------
+
+    def wants_idle(self) -> bool:
+        """Whether `idle` has something to do: a ubatch size `auto` still needs timed (any thread)."""
+        return self.speculator.cost.next_to_time() is not None
+
+    def idle(self) -> None:
+        """With nothing to serve (engine thread): time the smallest ubatch size `auto` has no price
+        for yet, alone, so that a request arriving meanwhile waits one timing, not the table. It is
+        timed in a stream the pool hands out as to any new session (an empty one, else the least
+        recently used idle one, whose rows go) and left empty."""
+        cost = self.speculator.cost
+        n = cost.next_to_time()
+        if n is None or self.has_work():
+            return
+        seconds: dict[int, float] = {}
+        try:
+            session, _ = self.pool.open()
+            try:
+                seconds = self.pool.ctx.time_ubatches([n], seq=session.seq)
+            finally:
+                self.pool.end_session(session)
+        except Exception:  # a size that cannot be timed is priced from its neighbours; serving goes on
+            _log.exception("timing a ubatch of %d tokens failed", n)
+        cost.add_timings([n], seconds)
+
     # -- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -11,12 +11,15 @@ drafter's guess can change how fast tokens come, never which.
 Choosing k (mode `auto`; a fixed drafter, `ngram`, `tree` or `draft`, drafts all it guesses up to
 `--draft-max`): llama.cpp splits a step into ubatches that take the same number of tokens from a run
 of adjacent streams (`ubatch_sizes`), and a ubatch's cost is a table by its tokens (`UbatchCost`,
-learnt from the steps it runs, a timing at start its prior): on a CPU it is not a line
-(tiles make 4 tokens cost about what 3 do). A draft token that the target accepts with chance `p`
-(the j-th with `p ** j`) adds that many expected tokens; the speculator keeps of each draft the
-length that gives the step the most expected tokens per second: the best equal length for all
-first (equal drafts on adjacent streams share ubatches), then each sequence's best with the others
-fixed. No draft token less likely than `MIN_GAIN` is drafted.
+learnt from the steps it runs, a timing while the engine idles after start its prior): on a CPU it
+is not a line (tiles make 4 tokens cost about what 3 do). A draft token that the target accepts
+with chance `p` (the j-th with `p ** j`) adds that many expected tokens; the speculator keeps of
+each draft the length that gives the step the most expected tokens per second: the best equal
+length for all first (equal drafts on adjacent streams share ubatches), then each sequence's best
+with the others fixed. No draft token less likely than `MIN_GAIN` is drafted. Until the sizes a
+step needs are priced (timed while the engine idles, or learnt from served steps:
+`UbatchCost.priced`), `auto` drafts nothing that needs them, and nothing at all while the step
+without drafts is not priced: the first requests after start may be served without drafts.
 
 Acceptance is measured per drafter and per sequence, on the drafts verified and, for free, on the
 proposals not drafted: such a proposal is watched (`SpecState.watch`) and compared with the output
@@ -45,7 +48,8 @@ Invariants:
   a sliding-window model drafts, and each cut asks its stream (`KvManager.commit`);
 - the step's tokens stay within the token budget;
 - in `auto`, a sequence whose `Payoff` says drafting did not pay, or that times a step without a
-  draft, drafts nothing;
+  draft, drafts nothing; no step drafts whose ubatch sizes, or those of the step without its
+  drafts, are not yet priced (`UbatchCost.priced`);
 - the drafters' stats (`stats`) have one entry per drafter, set at start: metrics read them live.
 """
 
@@ -62,7 +66,7 @@ from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import (Drafter, DrafterKind, NgramDrafter, PredictionDrafter, RecentDrafter,
                                         Sequence, TreeDrafter)
-from kvserve.scheduler.ubatch_cost import UbatchCost, attended_keys
+from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES, UbatchCost, attended_keys
 
 if TYPE_CHECKING:
     from kvserve.scheduler.draft_model import DraftModel
@@ -246,7 +250,8 @@ class Speculator:
         self.enabled = config.mode is not SpecMode.OFF and can_cut
         if self.enabled and config.mode is SpecMode.DRAFT and draft_model is None:
             raise ValueError("--speculative draft needs --draft-model")
-        self.cost = UbatchCost()
+        # auto's step prices, their start-up table timed while the engine idles (`Scheduler.idle`)
+        self.cost = UbatchCost(to_time=CALIBRATION_SIZES if self.enabled and config.mode is SpecMode.AUTO else ())
         ngram, prediction = NgramDrafter(), PredictionDrafter()
         self.recent = RecentDrafter()  # fed by `finished`; auto only
         drafters: dict[SpecMode, list[Drafter]] = {
@@ -269,6 +274,7 @@ class Speculator:
                 "drafters": list(self.by_name),
                 "ubatch_seconds": {str(n): round(t, 5) for n, (t, _) in entries.items() if n <= 64},
                 "ubatch_samples": {str(n): k for n, (_, k) in entries.items() if n <= 64},
+                "ubatch_to_time": sorted(self.cost.untimed),
                 "ubatch_scale": round(self.cost.scale, 3), "seconds_per_key": self.cost.per_key,
                 "dropped_drafts": {name: {d.value: k for d, k in s.dropped.items()} for name, s in self.stats.items()},
                 **(model.describe() if model else {})}
@@ -330,8 +336,8 @@ class Speculator:
         `MIN_GAIN` is never drafted."""
         rates = [p.rate for p in proposals]
         caps = [_useful_length(p.rate, len(p.draft)) for p in proposals]
-        if not any(caps):
-            return caps
+        if not any(caps) or math.isinf(self._seconds(seqs, n_past, [0] * len(seqs), n_other)):
+            return [0] * len(caps)  # nothing likely enough, or no price yet for the step without drafts
 
         def goodput(drafts: list[int]) -> float:
             return _expected(rates, drafts, len(seqs)) / self._seconds(seqs, n_past, drafts, n_other)

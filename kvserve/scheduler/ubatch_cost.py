@@ -17,11 +17,19 @@ split of its seconds among them would be a guess. A median, not a mean: a step t
 slowed (another process, a page fault) moves it not at all, and a lasting change of load wins
 within half a window.
 
-The table timed at start (`calibrate`, each size once or twice, in an empty stream, while the
-server loads) is the prior: on one box the same start timed a 12-token ubatch 1.51 s and a 16-token
-one 0.98 s, and smoothly on the next start. So it is never a sample; a size not learnt is priced at
-its start-up timing times the load the learnt sizes measured (the median of each one's price over
-its timing, so one poisoned timing among them moves none), never from one sample of its own.
+The table timed at start is the prior: on one box the same start timed a 12-token ubatch 1.51 s and
+a 16-token one 0.98 s, and smoothly on the next start. So it is never a sample; a size not learnt is
+priced at its start-up timing times the load the learnt sizes measured (the median of each one's
+price over its timing, so one poisoned timing among them moves none; a size learnt before it was
+timed has no timing of its own and counts for nothing there), never from one sample of its own.
+
+Timing every size while the server loaded held /health back (a 0.5B on 2 shared cores: 14 to 52 s
+against 4 to 6 s without), so the sizes given as `to_time` are timed while the engine idles, one at
+a time, smallest first (`next_to_time`, `add_timings`; `Scheduler.idle`): a request that arrives
+meanwhile waits for one timing, not the table. A size that served steps learn first is not timed at
+all. Until a step's sizes are priced (`priced`: learnt, or the sizes its prior interpolates between
+timed), `step` says it costs without end, and `auto` drafts nothing that needs them. (`calibrate`
+still sets a whole table at once.)
 
 `per_key` is fitted by exponentially weighted least squares to the steps whose sizes are all
 learnt (a step priced from a poisoned timing would teach it the timing's error), beside `scale`,
@@ -34,16 +42,21 @@ Invariants:
   start, beyond the largest extending the last two's slope (never falling), below the smallest scaled;
 - a size's price is its own samples' median once it has `LEARNT` of them, and no sample is older
   than its size's last `WINDOW`;
-- `scale` > 0 and `per_key` >= 0, whatever the steps observed.
+- `scale` > 0 and `per_key` >= 0, whatever the steps observed;
+- `step` is finite exactly where each of its sizes is `priced`; a size is to be timed (`untimed`)
+  only while it is neither timed, tried, nor learnt.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
+from typing import Iterable
 
-# The ubatch sizes timed at start (`Context.time_ubatches`): one sequence's drafts, and eight's.
+# The ubatch sizes timed while the engine idles after start (`Context.time_ubatches`): one
+# sequence's drafts, and eight's.
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 # The samples a size keeps (its price follows a lasting change within half of them), and those it
 # needs before they price it instead of the prior.
@@ -58,10 +71,16 @@ def attended_keys(n_past: int, n_decoded: int) -> int:
 
 
 class UbatchCost:
-    def __init__(self, seconds: dict[int, float] | None = None, weight: float = 0.05) -> None:
+    def __init__(self, seconds: dict[int, float] | None = None, weight: float = 0.05,
+                 to_time: Iterable[int] = ()) -> None:
+        """`seconds`: a table timed already (the prior); `to_time`: the sizes still to time
+        (`next_to_time`), each unpriced until timed or learnt."""
         # before any timing: a guess of a small model's step, a read of the weights and a share per token
         self.table: dict[int, float] = dict(seconds) if seconds else {1: 0.022, 64: 0.148}
         self._sizes = sorted(self.table)
+        self._timed = bool(seconds)  # the table is timings, not the guess
+        self._to_time = sorted({n for n in to_time if n >= 1})  # the sizes a prior interpolates between
+        self.untimed = set(self._to_time)  # of those, the ones neither timed, tried nor learnt yet
         self.weight = weight
         self.samples: dict[int, deque[float]] = {}
         self._learnt: dict[int, float] = {}  # the price of each size with LEARNT samples
@@ -69,6 +88,7 @@ class UbatchCost:
         self._steps = 0
         self._load = 1.0  # what the learnt sizes measured over their start-up timing (median)
         self.scale, self.per_key = 1.0, 0.0
+        self._fitted = False  # a step of learnt sizes has been fitted
         self._sums = [0.0] * 5  # weighted sums of u*u, u*k, k*k, u*t, k*t (u: priced seconds, k: keys)
         self._start_fit()
 
@@ -81,10 +101,47 @@ class UbatchCost:
 
     def calibrate(self, seconds: dict[int, float]) -> None:
         """Replace the prior by ubatches timed on the context (size: seconds); forget what was learnt."""
-        self.table = {n: t for n, t in seconds.items() if n >= 1 and t > 0} or self.table
+        table = {n: t for n, t in seconds.items() if n >= 1 and t > 0}
+        if table:
+            self.table, self._timed = table, True
         self._sizes = sorted(self.table)
+        self.untimed, self._fitted = set(), False
         self.samples, self._learnt, self._sampled_at, self._load = {}, {}, {}, 1.0
         self._start_fit()
+
+    def next_to_time(self) -> int | None:
+        """The smallest size still to time (`to_time`), or None: all are timed, tried or learnt."""
+        return min(self.untimed, default=None)
+
+    def add_timings(self, sizes: list[int], seconds: dict[int, float]) -> None:
+        """`sizes` were timed as `Context.time_ubatches` times them, `seconds` what came back (a size
+        the context cannot decode in one ubatch, or a failed timing, comes back without): each
+        timing joins the prior, learnt prices stay, and none of `sizes` is timed again."""
+        self.untimed.difference_update(sizes)
+        timed = {n: t for n, t in seconds.items() if n >= 1 and t > 0}
+        if not timed:
+            return
+        self.table = {**self.table, **timed} if self._timed else timed  # the guess goes at the first timing
+        self._timed = True
+        self._sizes = sorted(self.table)
+        self._measure_load()  # over the prior that just changed
+        if not self._fitted:
+            self._start_fit()
+
+    def priced(self, n: int) -> bool:
+        """Whether a ubatch of `n` tokens has a price of more than a guess: learnt, or the sizes to
+        time that its prior interpolates between (beyond the largest, the last two) timed or tried."""
+        if n in self._learnt or not self.untimed:
+            return True
+        sizes = self._to_time
+        i = bisect.bisect_left(sizes, n)
+        if i < len(sizes) and sizes[i] == n:
+            around = [n]
+        elif i == len(sizes):
+            around = sizes[-2:]
+        else:
+            around = sizes[max(i - 1, 0):i + 1]
+        return not self.untimed.intersection(around)
 
     def prior(self, n: int) -> float:
         """A ubatch of `n` tokens as timed at start."""
@@ -109,7 +166,10 @@ class UbatchCost:
         return learnt if learnt is not None else self.prior(n) * self._load
 
     def step(self, sizes: list[int], keys: int = 0) -> float:
-        """Seconds of a step of ubatches of `sizes` whose tokens attend to `keys` keys in all."""
+        """Seconds of a step of ubatches of `sizes` whose tokens attend to `keys` keys in all; without
+        end while a size of it is not `priced`."""
+        if self.untimed and not all(self.priced(n) for n in sizes):
+            return math.inf
         return sum(self.ubatch(n) for n in sizes) + self.per_key * keys
 
     def entries(self) -> dict[int, tuple[float, int]]:
@@ -125,6 +185,7 @@ class UbatchCost:
         if all(n in self._learnt for n in sizes):  # priced from its own sizes' steps: fit for the keys
             self._add(sum(self.ubatch(n) for n in sizes), keys, seconds, self.weight)
             self._fit()
+            self._fitted = True
         own = self._sampled_size(sizes)
         if own is not None:
             others = sum(self.ubatch(n) for n in sizes if n != own)
@@ -149,7 +210,15 @@ class UbatchCost:
         self._sampled_at[n] = self._steps
         if len(window) >= LEARNT:
             self._learnt[n] = statistics.median(window)
-            self._load = statistics.median(price / self.prior(size) for size, price in self._learnt.items())
+            self.untimed.discard(n)  # served steps priced it: no timing needed
+            self._measure_load()
+
+    def _measure_load(self) -> None:
+        """The median of each learnt size's price over its prior, of the sizes that have one: a size
+        to time that the steps learnt first was never timed (its prior is its neighbours')."""
+        ratios = [price / self.prior(n) for n, price in self._learnt.items()
+                  if n not in self._to_time or (self._timed and n in self.table)]
+        self._load = statistics.median(ratios) if ratios else 1.0
 
     def _add(self, u: float, k: float, t: float, w: float) -> None:
         s = self._sums
