@@ -423,3 +423,32 @@ def test_models_turns_are_abba_and_ratios_pair_turns_of_the_same_run(tmp_path: P
     folder = models.models_dir(tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "models")
     assert sorted(p.name for p in folder.iterdir()) == sorted([f"{models.CHAT}.gguf", f"{models.EMBED}.gguf"])
     assert (folder / f"{models.CHAT}.gguf").readlink() == tmp_path / "a.gguf"
+
+
+def test_restart_prompts_are_cut_to_size_and_targets_pair_cold_with_restart(tmp_path: Path) -> None:
+    from bench import restart
+
+    files = [tmp_path / "kvserve" / f"m{i}.py" for i in range(3)]
+    for i, f in enumerate(files):
+        f.parent.mkdir(exist_ok=True)
+        f.write_text(f"def f{i}():\n    return {i}\n" * 20)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(restart, "ROOT", tmp_path)
+        words = restart.build_prompt(lambda text: [hash(w) % 1000 for w in text.split()], 100, files)
+    assert len(words) == 100 and words[-3:] == [hash(w) % 1000 for w in restart.QUESTION.split()][-3:]
+    assert restart.parse_sizes("2048,16384:1", 2) == [(2048, 2), (16384, 1)]
+    assert restart.workload_turns(2) == ["host", "disk", "disk", "host"] and restart.workload_turns(1) == ["host", "disk"]
+
+    def chain(server: str, run: int, cold: float, again: float) -> dict:
+        return {"server": server, "tokens": 8192, "run": run, "restart_start_s": 1.0, "restore_s": 0.5,
+                "cold": {"ttft_s": cold}, "restart": {"ttft_s": again, "cached_tokens": 8176, "prompt_tokens": 8192}}
+    rows = [chain("kvserve-sigterm", 0, 40.0, 1.0), chain("kvserve-sigterm", 1, 60.0, 4.0),
+            chain("kvserve-sigkill", 0, 50.0, 1.0), chain("llama-server-slot-save", 0, 45.0, 0.4)]
+    found = restart.targets(restart.restart_summary(rows))
+    # sigterm: the median of 40x and 15x; sigkill 50x; kvserve's 2.5 s against llama-server's restore + TTFT, 0.9 s
+    assert [t["met"] for t in found] == [True, True, False]
+    assert found[0]["shown"] == "27.5x (15.0-40.0)" and found[2]["value"] == pytest.approx(2.5 / 0.9)
+    host = {"workload": "shared", "output_tok_s": 10.0, "ttft_p50": 1.0, "ttft_p95": 2.0}
+    ratios = restart.workload_ratios([{**host, "config": "host", "turn": 0},
+                                      {**host, "config": "disk", "turn": 1, "output_tok_s": 8.0}])
+    assert ratios["shared"]["output_tok_s"] == {"median": 0.8, "min": 0.8, "max": 0.8, "pairs": 1}
