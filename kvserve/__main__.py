@@ -27,16 +27,19 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvserve.scheduler.engine import preflight
     from kvserve.server.app import serve
+    from kvserve.cache.disk_store import DiskLocked
     from kvserve.server.catalog import catalog
+    from kvserve.server.persistence import Persistence
 
     try:
         specs = catalog(settings)
         if not settings.many_models:
             preflight(settings)
-    except ValueError as exc:
+        persistence = Persistence.open(settings)  # a folder another server holds stops this one here
+    except (ValueError, DiskLocked, OSError) as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    serve(settings, specs)
+    serve(settings, specs, persistence)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def test_match_reports_then_attach_uses_the_cached_prefix(base_url: str) -> None
 
     completion = httpx.post(f"{base_url}/v1/prefix/match", json={"prompt": "plain text prompt"}).json()
     served = client.completions.create(model="any", prompt="plain text prompt", max_tokens=1).usage
-    assert completion == {"prompt_tokens": served.prompt_tokens, "cached_tokens": 0}
+    assert completion == {"prompt_tokens": served.prompt_tokens, "cached_tokens": 0, "page_size": 16,
+                          "page_tokens": 0, "page_keys": []}
     assert served.prompt_tokens_details.cached_tokens == 0
 
 

@@ -53,7 +53,7 @@ def create_prefix_cache(ctx: Context, page_rows: int, *, enabled: bool = True,
         return NoCache()
     store: HostStore = HostStore(budget_bytes)
     if ctx.model.info.carries_state:
-        return StateCache(ctx, page_rows, store, max_states)
+        return StateCache(ctx, page_rows, store, max_states, tiers=tiers)
     return PageCache(ctx, page_rows, store, tiers)
 
 

@@ -315,7 +315,7 @@ class PageCache(PrefixCache):
             return
         seed = self.tree.root(node.namespace).key
         disk.put(node.key, node.parent.key, seed, node.tokens, lambda: self.rows.page_bytes(page),
-                 tag=self.tiers.tag, replace=replace)
+                 tag=self.tiers.tag, replace=replace, nbytes=page.nbytes)
 
     # -- locks ----------------------------------------------------------------------------------------
 

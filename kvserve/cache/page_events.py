@@ -53,13 +53,18 @@ class ModelEvents:
 
 def disk_listeners(publisher: "KvEventPublisher") -> tuple[Callable[["DiskEntry"], None], Callable[["DiskEntry"], None]]:
     """The disk store's `on_stored` and `on_removed`: each file's page, on the topic of the model that
-    wrote it (its tag), a first page (parent = its namespace's seed) without a parent."""
+    wrote it (its tag), a first page (parent = its namespace's seed) without a parent. Checkpoints
+    (a tag ending in `#state`) are whole sequences, not pages: a router's index has no place for them."""
 
     def on_stored(entry: "DiskEntry") -> None:
+        if entry.tag.endswith("#state"):
+            return
         parent = None if entry.parent == entry.seed else entry.parent
         publisher.stored(entry.tag, [entry.key], parent, list(entry.tokens), len(entry.tokens), None, DISK)
 
     def on_removed(entry: "DiskEntry") -> None:
+        if entry.tag.endswith("#state"):
+            return
         publisher.removed(entry.tag, [entry.key], DISK)
 
     return on_stored, on_removed

@@ -70,3 +70,9 @@ def row_format(ctx: "Context", page_rows: int) -> RowFormat:
     """The format of the rows `ctx` reads out, cut into pages of `page_rows`."""
     return RowFormat(model=ctx.model.fingerprint, type_k=ctx.params.type_k, type_v=ctx.params.type_v,
                      v_transposed=not ctx.flash_attn, state_version=ctx.state_version, page_rows=page_rows)
+
+
+def state_key(seed: bytes, tokens: Sequence[int]) -> bytes:
+    """The name of a checkpoint (a whole sequence's state at the end of `tokens`) under the namespace
+    seeded `seed`: never a page's key, since it is domain-separated."""
+    return hashlib.sha256(b"kvserve-state\0" + seed + np.asarray(tokens, dtype="<i4").tobytes()).digest()

@@ -13,6 +13,11 @@ Invariants:
   recently used first, and never one a live session restored or saved;
 - a checkpoint is of the namespace of the session that saved it, and only keys of that namespace
   match it.
+
+With a disk tier (`Tiers.disk`) every checkpoint kept is also written behind, named by `state_key`
+of its namespace's seed and its tokens (page_key.py), under the model's tag with `#state`. A prompt
+matches the deepest checkpoint in host memory or on disk; one read from disk (checked by the store,
+then by llama.cpp taking the blob whole, else discarded) is kept in host memory like a saved one.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import numpy as np
 
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
+from kvserve.cache.disk_store import DiskEntry
 from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.page_key import namespace_seed, row_format, state_key
 from kvserve.cache.prefix_key import PrefixKey
+from kvserve.cache.tiers import Tiers
 from kvserve.llama.context import Context
 
 
@@ -48,6 +56,9 @@ class Checkpoint:
                 "preview": self.preview}
 
 
+STATE_TAG = "#state"  # a checkpoint file's tag: its model's, then this
+
+
 def _rank(kind: MarkKind) -> int:
     """Lower goes first: conversation checkpoints before openings."""
     return 1 if kind is MarkKind.OPENING else 0
@@ -58,7 +69,7 @@ class StateCache(PrefixCache):
     donates_prompt = False  # the prompt's end is the `close` mark plus a generation prompt: not worth a state
 
     def __init__(self, ctx: Context, page_rows: int, store: HostStore[Checkpoint, np.ndarray], max_states: int = 16,
-                 min_gap: int | None = None) -> None:
+                 min_gap: int | None = None, tiers: Tiers = Tiers()) -> None:
         if not ctx.model.info.carries_state:
             raise ValueError("attention-only models need no checkpoints: use the page cache")
         self.ctx = ctx
@@ -74,6 +85,12 @@ class StateCache(PrefixCache):
         self._hit_tokens = 0
         self._restores = 0
         self._evictions = 0
+        self.tiers = tiers
+        self.disk_refused = 0  # checkpoints read from disk that llama.cpp did not take
+        self._rows = row_format(ctx, page_rows).digest()
+        self._tag = tiers.tag + STATE_TAG
+        # the checkpoints on disk of this model, by key (disk evictions show when a read finds none)
+        self._on_disk = {e.key: e for e in tiers.disk.entries() if e.tag.endswith(STATE_TAG)} if tiers.disk else {}
 
     @property
     def bytes_used(self) -> int:
@@ -102,15 +119,34 @@ class StateCache(PrefixCache):
         """The checkpoint of `namespace` at exactly `tokens`, if one is kept."""
         return next((c for c in self.checkpoints if c.namespace == namespace and c.tokens == tokens), None)
 
+    def _disk_match(self, key: PrefixKey, deeper_than: int) -> "DiskEntry | None":
+        """The deepest checkpoint of `key`'s namespace on disk, deeper than `deeper_than` tokens, that
+        its tokens fully contain, leaving one to evaluate."""
+        disk, best = self.tiers.disk, None
+        if disk is None:
+            return None
+        seed = namespace_seed(self._rows, key.namespace)
+        for entry in self._on_disk.values():
+            n = len(entry.tokens)
+            if entry.seed == seed and deeper_than < n < len(key.tokens) and (best is None or n > len(best.tokens)):
+                if tuple(key.tokens[:n]) == entry.tokens and disk.contains(entry.key):
+                    best = entry
+        return best
+
     def match_len(self, key: PrefixKey) -> int:
         found = self._match(key)
-        return found.position if found else 0
+        position = found.position if found else 0
+        on_disk = self._disk_match(key, position)
+        return len(on_disk.tokens) if on_disk else position
 
     def attach(self, session: Session, key: PrefixKey) -> list[int]:
-        """Set the deepest checkpoint into an empty session's stream."""
+        """Set the deepest checkpoint (from host memory, or read from disk) into an empty session's stream."""
         self.check_attachable(session, key)
         self._queried_tokens += len(key.tokens)
         found = self._match(key)
+        on_disk = self._disk_match(key, found.position if found else 0)
+        if on_disk is not None:
+            found = self._read_disk(session, on_disk) or found
         if found is None:
             return []
         self.ctx.write_seq_state(session.seq, self.store.get(found))
@@ -119,6 +155,32 @@ class StateCache(PrefixCache):
         self._restores += 1
         self._hit_tokens += found.position
         return list(found.tokens)
+
+    def _read_disk(self, session: Session, entry: "DiskEntry") -> Checkpoint | None:
+        """The checkpoint of `entry` read from disk into host memory (None where it is gone, refused,
+        or cannot be kept): a file llama.cpp does not take whole is discarded."""
+        disk = self.tiers.disk
+        assert disk is not None
+        data = disk.get(entry.key)
+        if data is None:
+            self._on_disk.pop(entry.key, None)
+            return None
+        blob = np.frombuffer(data, np.uint8).copy()
+        try:
+            self.ctx.write_seq_state(session.seq, blob)
+        except RuntimeError:
+            disk.discard(entry.key)
+            self._on_disk.pop(entry.key, None)
+            self.disk_refused += 1
+            return None
+        finally:
+            self.ctx.seq_rm(session.seq)
+        checkpoint = Checkpoint(tokens=list(entry.tokens), kind=MarkKind.CONVERSATION, nbytes=blob.nbytes,
+                                preview="(from disk)", namespace=session.namespace)
+        if not self._below_max_states() or not self.store.put(checkpoint, blob, rank=_rank(checkpoint.kind)):
+            return None
+        self.checkpoints.append(checkpoint)
+        return checkpoint
 
     def gains_from_waiting(self, shared: int, cached: int) -> bool:
         return shared >= cached + 2 * self.page_rows  # the running prefill may checkpoint a mark in between
@@ -158,7 +220,18 @@ class StateCache(PrefixCache):
             return None
         self.checkpoints.append(checkpoint)
         self._lock(session, checkpoint)
+        self._write_behind(checkpoint, blob)
         return checkpoint
+
+    def _write_behind(self, checkpoint: Checkpoint, blob: np.ndarray) -> None:
+        disk = self.tiers.disk
+        if disk is None:
+            return
+        seed = namespace_seed(self._rows, checkpoint.namespace)
+        key = state_key(seed, checkpoint.tokens)
+        if disk.put(key, seed, seed, tuple(checkpoint.tokens), lambda: [blob], tag=self._tag, nbytes=blob.nbytes):
+            self._on_disk[key] = DiskEntry(key=key, parent=seed, seed=seed, tokens=tuple(checkpoint.tokens),
+                                           tag=self._tag, nbytes=blob.nbytes)
 
     def _below_max_states(self) -> bool:
         """Fewer than `max_states` checkpoints, once the store evicted what it may for that."""

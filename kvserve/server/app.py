@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvserve.config import Settings
 from kvserve.scheduler.engine import Engine
 from kvserve.server.catalog import ModelSpec, catalog
+from kvserve.server.persistence import Persistence
 from kvserve.server.model_set import ModelSet, ReleaseLeases, engine_for
 from kvserve.server import cache_routes, embeddings, prompts, ui_routes, worker_routes
 from kvserve.server.auth import Keys, require_key, tenant_of
@@ -122,10 +123,11 @@ def _answer(engine: Engine, shape: Shape, streaming: bool, options: StreamOption
     return Answer(partial(collect, shape, logprobs=formatter), chunks if streaming else None, shape.finish_reasons)
 
 
-def create_app(settings: Settings, specs: list[ModelSpec] | None = None) -> FastAPI:
+def create_app(settings: Settings, specs: list[ModelSpec] | None = None,
+               persistence: Persistence | None = None) -> FastAPI:
     """The app over `specs` (default: the models `settings` name); the models marked to load at
     start load before it serves, and every loaded model is released, in order, at shutdown."""
-    model_set = ModelSet(settings, catalog(settings) if specs is None else specs)
+    model_set = ModelSet(settings, catalog(settings) if specs is None else specs, persistence)
     response_store = _response_store(settings)
 
     @asynccontextmanager
@@ -145,7 +147,7 @@ def create_app(settings: Settings, specs: list[ModelSpec] | None = None) -> Fast
     app.state.draining = False
     app.state.started = int(time.time())
     app.state.response_store = response_store
-    app.state.metrics = Metrics(partial(_engine_views, model_set), settings)
+    app.state.metrics = Metrics(partial(_engine_views, model_set), settings, lambda: model_set.persistence)
     install_error_handlers(app)
     _document_400s_not_422s(app)
     app.include_router(public)
@@ -200,7 +202,7 @@ def _document_400s_not_422s(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def serve(settings: Settings, specs: list[ModelSpec] | None = None) -> None:
-    app = create_app(settings, specs)
+def serve(settings: Settings, specs: list[ModelSpec] | None = None, persistence: Persistence | None = None) -> None:
+    app = create_app(settings, specs, persistence)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=log_config(settings.log_format))
     DrainingServer(config, app, settings.drain_timeout).run()

@@ -27,8 +27,16 @@ async def prefix_match(body: dict, request: Request) -> dict:
     engine = await engine_for(request, parsed.model)
     tokens = await prompts.prompt_tokens(engine.model, engine.template, parsed)
     key = PrefixKey(prompts.job_namespace(parsed, tenant_of(request)), tokens)
-    cached = await engine.async_engine.call(lambda: engine.scheduler.kv.cached_len(key))
-    return {"prompt_tokens": len(tokens), "cached_tokens": cached}
+
+    def match() -> dict:
+        keys = getattr(engine.cache, "matched_keys", lambda _: [])(key)
+        # `page_keys`: the pages the cache would attach (host memory, then disk), by the names KV events
+        # use; `cached_tokens` may be more: an idle stream may still hold a longer prefix in place
+        return {"prompt_tokens": len(tokens), "cached_tokens": engine.scheduler.kv.cached_len(key),
+                "page_size": engine.settings.page_rows, "page_tokens": len(keys) * engine.settings.page_rows,
+                "page_keys": [k.hex() for k in keys]}
+
+    return await engine.async_engine.call(match)
 
 
 @router.get("/v1/cache")
@@ -46,9 +54,25 @@ async def cache_view(request: Request, cache_salt: str | None = None, model: str
         return {
             "page_rows": engine.settings.page_rows,
             **engine.cache.view(namespace),
+            "tiers": _tiers(request, engine),
             "pool": {"cells": pool.n_cells, "used_cells": pool.used_cells, "streams": pool.n_streams,
                      "free_streams": pool.free_streams, "inplace_reuses": pool.inplace_reuses,
                      "stream_cells": pool.n_ctx_seq, "stream_states": pool.stream_view(namespace)},
         }
 
     return await engine.async_engine.call(snapshot)
+
+
+def _tiers(request: Request, engine: Engine) -> dict:
+    """Each tier the model's pages live in: host memory (its own share), and the server's disk tier."""
+    stats = engine.cache.stats()
+    out = {"host": {"bytes": stats.held_bytes, "pages": stats.held_pages, "hit_tokens": stats.hit_tokens,
+                    "evicted_pages": stats.evicted_pages}}
+    disk = getattr(request.app.state.models.persistence, "disk", None)
+    if disk is not None:
+        d = disk.stats()
+        out["disk"] = {"bytes": d.bytes, "pages": d.pages, "budget_bytes": d.budget_bytes, "hits": d.hits,
+                       "writes": d.writes, "written_bytes": d.written_bytes, "read_seconds": round(d.read_seconds, 3),
+                       "write_seconds": round(d.write_seconds, 3), "refused": d.refused,
+                       "dropped_writes": d.dropped_writes, "evictions": d.evictions}
+    return out

@@ -197,12 +197,46 @@ class _VllmCollector(Collector):
 NO_MODEL = ""
 
 
+class _TierCollector(Collector):
+    """The server's disk tier and event publisher (one per server, shared by its models)."""
+
+    def __init__(self, persistence: Callable[[], object]) -> None:
+        self._persistence = persistence
+
+    def collect(self) -> Iterator[Metric]:
+        persistence = self._persistence()
+        disk = getattr(persistence, "disk", None)
+        if disk is not None:
+            d = disk.stats()
+            yield GaugeMetricFamily("kvserve_prefix_disk_bytes", "Bytes of page files the disk tier holds", d.bytes)
+            yield GaugeMetricFamily("kvserve_prefix_disk_pages", "Pages the disk tier holds", d.pages)
+            yield GaugeMetricFamily("kvserve_prefix_disk_budget_bytes", "The disk tier's budget", d.budget_bytes)
+            for name, value, doc in (
+                ("hits", d.hits, "Pages read back from disk"),
+                ("writes", d.writes, "Pages written to disk"),
+                ("written_bytes", d.written_bytes, "Bytes written to disk"),
+                ("read_seconds", d.read_seconds, "Time spent reading pages from disk"),
+                ("write_seconds", d.write_seconds, "Time the writer spent writing pages"),
+                ("refused", d.refused, "Page files found corrupt, truncated or foreign, and removed"),
+                ("dropped_writes", d.dropped_writes, "Pages not written: the write queue was full"),
+                ("evictions", d.evictions, "Page files removed to stay within the budget"),
+            ):
+                yield CounterMetricFamily(f"kvserve_prefix_disk_{name}", doc, value)
+        publisher = getattr(persistence, "publisher", None)
+        if publisher is not None:
+            p = publisher.stats()
+            yield CounterMetricFamily("kvserve_kv_events_published", "KV events published", p.get("events", 0))
+            yield CounterMetricFamily("kvserve_kv_events_dropped",
+                                      "KV events dropped: the publisher's queue was full", p.get("dropped", 0))
+
+
 class Metrics:
     """Per-request series, each labelled with the served model's `model_name` (one model or several,
     as vLLM does), the engine collector's (the same label), and the server-wide ones: refusals while
     draining (`model_name` empty), `kvserve_unexpected_errors{route}` and `process_*`."""
 
-    def __init__(self, engines: EngineViews, settings: ServerSettings) -> None:
+    def __init__(self, engines: EngineViews, settings: ServerSettings,
+                 persistence: Callable[[], object] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self._engines = engines
@@ -249,6 +283,7 @@ class Metrics:
         self.rejected.labels(model_name=NO_MODEL, status="503")
         r.register(_PerModelSeries(self, self._by_model))
         r.register(_EngineCollector(engines))
+        r.register(_TierCollector(persistence))
         if settings.metrics_compat == "vllm":
             r.register(_VllmCollector(engines))
 

@@ -34,6 +34,7 @@ from kvserve.llama.model import peek_kind
 from kvserve.scheduler.engine import Engine
 from kvserve.server.catalog import ModelSpec, keep_alive_seconds
 from kvserve.server.errors import APIError
+from kvserve.server.persistence import Persistence
 
 _log = logging.getLogger("kvserve.models")
 MIB = 1024 * 1024
@@ -111,7 +112,7 @@ def not_found(name: str | None) -> APIError:
 
 
 class ModelSet:
-    def __init__(self, settings: Settings, specs: list[ModelSpec]) -> None:
+    def __init__(self, settings: Settings, specs: list[ModelSpec], persistence: Persistence | None = None) -> None:
         self.settings = settings
         self.models = [ServedModel(spec, keep_alive=self._default_keep_alive(spec)) for spec in specs]
         self._by_name = {name: m for m in self.models for name in m.spec.names}
@@ -122,6 +123,8 @@ class ModelSet:
         self.budget = int(settings.models_mb * MIB) if settings.models_mb else machine_bytes() - 1024 * MIB
         # each loaded model's prefix cache gets an equal share of the one host budget
         self.cache_mb = settings.prefix_state_mb / (1 if self.single else settings.models_max)
+        self._opened = persistence  # opened by the caller (python -m kvserve, to refuse a busy folder cleanly)
+        self.persistence = Persistence()  # what start opened, or the caller's
 
     def _default_keep_alive(self, spec: ModelSpec) -> float:
         if spec.keep_alive is not None:
@@ -220,7 +223,8 @@ class ModelSet:
         _log.info("loading model %s from %s", name, model.spec.settings.model)
         kept = self._kept_for(model)
         try:
-            engine = await asyncio.to_thread(Engine.load, model.spec.settings, self.settings, self.cache_mb, kept)
+            tiers = self.persistence.tiers(name, model.spec.settings.page_rows)
+            engine = await asyncio.to_thread(Engine.load, model.spec.settings, self.settings, self.cache_mb, kept, tiers)
         except Exception as exc:  # whatever a file makes llama.cpp or the engine refuse fails that model alone
             if kept is not None:
                 kept.release()
@@ -307,7 +311,9 @@ class ModelSet:
     # -- lifetime ----------------------------------------------------------------------------------
     async def start(self) -> None:
         """Load the models marked `load_at_start` (`--model` alone: its model; a failure there stops the
-        server, as ever), then unload idle ones past their keep-alive, every second."""
+        server, as ever), then unload idle ones past their keep-alive, every second. The disk tier and
+        the event publisher open first: another server on the same folder stops this one here."""
+        self.persistence = self._opened or await asyncio.to_thread(Persistence.open, self.settings)
         for model in self.models:
             if model.spec.load_at_start:
                 try:
@@ -345,6 +351,7 @@ class ModelSet:
             for model in self.models:
                 await self._close(model)
                 model.release_kept()
+        await asyncio.to_thread(self.persistence.close)
 
     def describe(self, model: ServedModel) -> dict:
         """One model as GET /v1/models lists it, beside OpenAI's fields."""

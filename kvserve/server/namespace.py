@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 
 from kvserve.cache.prefix_key import SHARED, namespace_kind
 
@@ -35,11 +36,28 @@ def request_namespace(*, tenant: str | None, cache_salt: str | None, adapters: s
     `--cache-isolation none`), its `cache_salt` (None: none) and its adapter set (a canonical string
     of the request's LoRA adapters, "" for the base model). No part at all: the shared namespace."""
     values = dict(zip(_PARTS, (tenant, cache_salt, adapters)))
-    return "+".join(f"{part}:{_digest(part, value)}" for part, value in values.items() if value)
+    namespace = "+".join(f"{part}:{_digest(part, value)}" for part, value in values.items() if value)
+    if adapters:
+        _ADAPTERS[namespace] = adapters
+        _ADAPTERS.move_to_end(namespace)
+        while len(_ADAPTERS) > _ADAPTERS_KEPT:
+            _ADAPTERS.popitem(last=False)
+    return namespace
+
+
+# The adapter set of namespaces seen lately: what a KV event names as its `lora_name` (adapter
+# names are the server's own, not secrets; tenants and salts stay digests).
+_ADAPTERS: OrderedDict[str, str] = OrderedDict()
+_ADAPTERS_KEPT = 4096
+
+
+def adapters_of(namespace: str) -> str | None:
+    """The adapter set (`name*scale`, comma-joined) a namespace was built with lately, None for none."""
+    return _ADAPTERS.get(namespace)
 
 
 NAMESPACE_KINDS = [namespace_kind(SHARED)] + [
     "+".join(p for i, p in enumerate(_PARTS) if mask >> i & 1) for mask in range(1, 1 << len(_PARTS))
 ]
 
-__all__ = ["NAMESPACE_KINDS", "SHARED", "namespace_kind", "request_namespace", "tenant_id"]
+__all__ = ["NAMESPACE_KINDS", "SHARED", "adapters_of", "namespace_kind", "request_namespace", "tenant_id"]

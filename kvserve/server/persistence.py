@@ -1,0 +1,80 @@
+"""What outlives one model's engine: the server's disk tier of prefix-cache pages and its KV event
+publisher, opened once at start and shared by every model it loads.
+
+Invariants:
+- one server per `--prefix-disk-dir`: a second one on the same folder refuses to start (the disk
+  store's lock), saying which process holds it;
+- a model's pages are written and announced under its served name, and every page on disk at start
+  is announced once, parents first, before any model serves;
+- `close` finishes queued disk writes (bounded), then the publisher's queue, then releases both.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+
+from kvserve.cache.page_events import ModelEvents, announce_disk, disk_listeners
+from kvserve.cache.tiers import Tiers
+from kvserve.config import ServerSettings
+from kvserve.server.namespace import adapters_of
+
+_log = logging.getLogger("kvserve.persistence")
+MIB = 1024 * 1024
+
+
+@dataclass
+class Persistence:
+    disk: "object | None" = None  # DiskStore
+    publisher: "object | None" = None  # KvEventPublisher
+
+    @classmethod
+    def open(cls, settings: ServerSettings) -> "Persistence":
+        publisher = None
+        if settings.kv_events:
+            from kvserve.cache.kv_events import KvEventPublisher
+
+            publisher = KvEventPublisher(settings.kv_events, settings.kv_events_replay, settings.kv_events_topic)
+        try:
+            disk = _open_disk(settings, publisher)
+        except BaseException:
+            if publisher is not None:
+                publisher.close()
+            raise
+        return cls(disk, publisher)
+
+    def tiers(self, model: str, page_rows: int) -> Tiers:
+        events = ModelEvents(self.publisher, model, page_rows, adapters_of) if self.publisher is not None else None
+        return Tiers(disk=self.disk, events=events, tag=model)
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+def disk_budget(settings: ServerSettings) -> int:
+    """`--prefix-disk-mb`, or a quarter of the folder's free space."""
+    if settings.prefix_disk_mb:
+        return int(settings.prefix_disk_mb * MIB)
+    return shutil.disk_usage(settings.prefix_disk_dir).free // 4
+
+
+def _open_disk(settings: ServerSettings, publisher) -> "object | None":
+    if settings.prefix_disk_dir is None:
+        return None
+    from kvserve.cache.disk_store import DiskStore
+
+    settings.prefix_disk_dir.mkdir(parents=True, exist_ok=True)
+    on_stored = on_removed = None
+    if publisher is not None:
+        on_stored, on_removed = disk_listeners(publisher)
+    disk = DiskStore(settings.prefix_disk_dir, disk_budget(settings), on_stored=on_stored, on_removed=on_removed)
+    stats = disk.stats()
+    _log.info("disk tier: %s, %d pages (%.0f MiB) of %.0f MiB, %d files refused at start",
+              settings.prefix_disk_dir, stats.pages, stats.bytes / MIB, stats.budget_bytes / MIB, stats.refused)
+    if on_stored is not None:
+        announce_disk(disk, on_stored)
+    return disk

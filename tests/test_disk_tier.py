@@ -1,0 +1,244 @@
+"""The disk tier on real llama.cpp: pages (and checkpoints) written behind survive the process, and a
+prompt attached from disk after a restart generates what it generates from scratch; a page one row
+off, another model's or another KV type's file, a flipped byte, a truncation or two swapped names
+are never attached; two servers never share a folder; a SIGKILL loses only what was in flight."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from conftest import greedy, run, run_traced, served, settings
+from equality import SMOLLM2_TOLERANCE, TINY_TOLERANCE, TOP, assert_like_alone
+from kvserve.cache.disk_store import DiskStore
+from kvserve.cache.tiers import Tiers
+from kvserve.llama.sampler import SamplingParams
+from kvserve.scheduler.engine import Engine
+from kvserve.scheduler.request import Request
+from kvserve.testing.processes import ServerProcess
+
+MIB = 1024 * 1024
+TEXT = ("The harbour master kept a ledger of every ship that came in: its name, its cargo, the crew's "
+        "home ports and the weather they had met on the way. ") * 6
+
+
+@contextlib.contextmanager
+def disk_engine(model: Path, folder: Path, **overrides) -> Iterator[Engine]:
+    """An engine whose pages go to a disk store in `folder`; closing it closes the store (writes done)."""
+    chosen = settings(model, **overrides)
+    disk = DiskStore(folder, 256 * MIB)
+    loaded = Engine.load(chosen.model_settings(), chosen, tiers=Tiers(disk=disk, tag="m"))
+    try:
+        yield loaded
+    finally:
+        disk.flush(30)
+        loaded.close()
+        disk.close()
+
+
+def traced(prompt: list[int], max_tokens: int = 8) -> Request:
+    return Request(id=f"r{len(prompt)}-{os.urandom(3).hex()}", prompt=prompt, params=SamplingParams(temperature=0.0),
+                   max_tokens=max_tokens, logprobs=TOP)
+
+
+def _alone(model: Path, prompt: list[int], **overrides):
+    with contextlib.ExitStack() as stack:
+        chosen = settings(model, prefix_cache=False, **overrides)
+        e = Engine.load(chosen.model_settings(), chosen)
+        stack.callback(e.close)
+        request = traced(prompt)
+        return run_traced(e, [request])[request.id]
+
+
+def _after_restart(model: Path, folder: Path, prompt: list[int], **overrides) -> tuple[list, int]:
+    """Serve `prompt` on a fresh engine over `folder`: its trace, and the tokens attached from disk."""
+    with disk_engine(model, folder, **overrides) as e:
+        request = traced(prompt)
+        out = run_traced(e, [request])[request.id]
+        return out, request.state.cached_tokens
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny-llama"])
+def test_restart_attaches_from_disk_and_equals_scratch(smollm2: Path, tiny, tmp_path: Path, which: str) -> None:
+    """SmolLM2 (quantized) and a tiny llama under plain attention, each within its tolerance."""
+    model, tolerance, options = ((smollm2, SMOLLM2_TOLERANCE, {}) if which == "smollm2"
+                                 else (tiny("llama"), TINY_TOLERANCE, {"flash_attn": "off"}))
+    with disk_engine(model, tmp_path, **options) as e:
+        prompt = e.model.tokenize(TEXT, add_special=True)
+        request = traced(prompt)
+        run_traced(e, [request])
+        written = e.cache.stats().held_pages
+    assert written >= len(prompt) // 16 - 1
+    assert len(list((tmp_path / "pages").rglob("*.page"))) >= written
+    alone = _alone(model, prompt, **options)
+    out, cached = _after_restart(model, tmp_path, prompt, **options)
+    assert cached == (len(prompt) - 1) // 16 * 16  # every whole page but the one holding the last token
+    assert_like_alone(alone, out, tolerance)
+
+
+def test_another_prompts_rows_fail_the_comparison(smollm2: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restart comparison catches rows of the wrong prompt: with keys that forget the tokens (a
+    mutation patched in), a prompt attaches another one's pages from disk and must fail it."""
+    from kvserve.cache import page_cache, page_tree
+
+    other = TEXT.replace("harbour master", "lighthouse keeper").replace("ships", "storms")
+    with disk_engine(smollm2, tmp_path) as e:
+        donor, prompt = (e.model.tokenize(t, add_special=True) for t in (TEXT, other))
+        run(e, [greedy(donor, 1)])
+    n = min(len(donor), len(prompt)) // 16 * 16
+    prompt = prompt[:n] + donor[n:]  # same length, different pages
+    alone = _alone(smollm2, prompt)
+    out, cached = _after_restart(smollm2, tmp_path, prompt)
+    assert cached == 0  # nothing of it was ever computed
+    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+    def forgetful(parent: bytes, tokens) -> bytes:
+        return hashlib.sha256(parent + len(tokens).to_bytes(4, "little")).digest()
+
+    monkeypatch.setattr(page_cache, "page_key", forgetful)
+    monkeypatch.setattr(page_tree, "page_key", forgetful)
+    with disk_engine(smollm2, tmp_path / "mutant") as e:
+        run(e, [greedy(donor, 1)])
+    out, cached = _after_restart(smollm2, tmp_path / "mutant", prompt)
+    assert cached > 0
+    with pytest.raises(AssertionError):
+        assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
+def test_another_kv_type_never_attaches(smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of q8_0 K/V are of another format: their keys differ, so nothing attaches; and were the key
+    to forget the KV type (a mutation), the layout check would refuse every such file."""
+    q8 = dict(cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on")
+    with disk_engine(smollm2, tmp_path, **q8) as e:
+        prompt = e.model.tokenize(TEXT, add_special=True)
+        run(e, [greedy(prompt, 4)])
+    with disk_engine(smollm2, tmp_path, flash_attn="on") as e:
+        request = greedy(prompt, 4)
+        run(e, [request])
+        assert request.state.cached_tokens == 0
+    from kvserve.cache import page_key
+
+    real = page_key.RowFormat.digest
+    monkeypatch.setattr(page_key.RowFormat, "digest",
+                        lambda self: real(page_key.RowFormat(self.model, "f16", "f16", self.v_transposed,
+                                                             self.state_version, self.page_rows)))
+    with disk_engine(smollm2, tmp_path, **q8) as e:
+        run(e, [greedy(prompt, 4)])
+    with disk_engine(smollm2, tmp_path, flash_attn="on") as e:
+        request = greedy(prompt, 4)
+        run(e, [request])
+        assert request.state.cached_tokens == 0 and e.cache.disk_refused == 1
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba"])
+def test_checkpoints_survive_a_restart(tiny, tmp_path: Path, arch: str) -> None:
+    from test_state_cache import SYSTEM, _chat_request
+
+    path = tiny(arch)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is parcel 17?"}]
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is the Oslo route open today?"}]
+    with disk_engine(path, tmp_path) as e:
+        r, turn = _chat_request(e, messages)
+        run(e, [r])
+        assert turn.opening > 0
+    with disk_engine(path, tmp_path, prefix_cache=False) as e:
+        r, _ = _chat_request(e, other)
+        scratch = run(e, [r])[r.id]
+    with disk_engine(path, tmp_path) as e:
+        r, t = _chat_request(e, other)
+        assert run(e, [r])[r.id] == scratch
+        assert r.state.cached_tokens == t.opening  # the opening's checkpoint, read from disk
+
+
+# -- the server: files, crashes, two servers ------------------------------------------------------
+
+def _chat(url: str, content: str, max_tokens: int = 4) -> dict:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _flush(app) -> None:
+    assert app.state.models.persistence.disk.flush(30)
+
+
+def _pages(folder: Path) -> list[Path]:
+    return sorted((folder / "pages").rglob("*.page"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "foreign"])
+def test_damaged_files_are_refused_and_counted(smollm2: Path, tmp_path: Path, tiny, damage: str) -> None:
+    prompt = TEXT + " Which ship came in last?"
+    with served(smollm2, prefix_disk_dir=tmp_path) as (url, app):
+        first = _chat(url, prompt)
+        _flush(app)
+    files = _pages(tmp_path)
+    assert len(files) >= 4
+    if damage == "flip":
+        data = bytearray(files[0].read_bytes())
+        data[len(data) // 2] ^= 0x40
+        files[0].write_bytes(bytes(data))
+    elif damage == "truncate":
+        files[0].write_bytes(files[0].read_bytes()[:-100])
+    elif damage == "swap":
+        a, b = files[0].read_bytes(), files[1].read_bytes()
+        files[0].write_bytes(b)
+        files[1].write_bytes(a)
+    else:  # another model's file under one of these names
+        foreign = tmp_path / "other"
+        with served(tiny("llama"), prefix_disk_dir=foreign) as (other_url, other_app):
+            _chat(other_url, prompt)
+            _flush(other_app)
+        for target, source in zip(files, _pages(foreign)):
+            target.write_bytes(source.read_bytes())
+    with served(smollm2, prefix_disk_dir=tmp_path) as (url, app):
+        again = _chat(url, prompt)
+        disk = app.state.models.persistence.disk.stats()
+        assert disk.refused >= 1
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "kvserve_prefix_disk_refused_total" in metrics
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_a_second_server_on_the_folder_refuses_to_start(smollm2: Path, tmp_path: Path) -> None:
+    with ServerProcess.kvserve(tmp_path / "a.log", model=smollm2, prefix_disk_dir=tmp_path / "data", threads=1) as a:
+        a.wait_healthy()
+        b = ServerProcess.kvserve(tmp_path / "b.log", model=smollm2, prefix_disk_dir=tmp_path / "data", threads=1)
+        status = b.wait(120)
+        assert status != 0
+        said = b.tail()
+        assert "in use" in said and str(a.pid) in said and "Traceback" not in said
+        assert httpx.get(f"{a.url}/health").status_code == 200
+
+
+def test_sigkill_while_writing_loses_only_what_was_in_flight(smollm2: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with ServerProcess.kvserve(tmp_path / "a.log", model=smollm2, prefix_disk_dir=data, threads=1) as a:
+        a.wait_healthy()
+        prompts = [f"Ledger {i}: " + TEXT[: 300 + 7 * i] for i in range(6)]
+        for p in prompts:
+            _chat(a.url, p, max_tokens=1)
+        os.killpg(a.pid, signal.SIGKILL)
+        a.kill()
+    leftovers = [p for p in data.rglob("*") if p.is_file() and not p.name.endswith(".page")
+                 and p.name not in ("lock", "responses.sqlite3", "responses.sqlite3-wal", "responses.sqlite3-shm")]
+    with ServerProcess.kvserve(tmp_path / "b.log", model=smollm2, prefix_disk_dir=data, threads=1) as b:
+        b.wait_healthy()
+        assert not any(p.exists() for p in leftovers if "tmp" in p.name)  # temporaries removed at start
+        cache = httpx.get(f"{b.url}/v1/cache").json()["tiers"]["disk"]
+        assert cache["pages"] == len(_pages(data))  # the index is the folder
+        for p in prompts:
+            _chat(b.url, p, max_tokens=1)
+        after = httpx.get(f"{b.url}/v1/cache").json()["tiers"]["disk"]
+        assert after["hits"] > 0 and after["refused"] == 0
