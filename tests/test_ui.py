@@ -235,6 +235,20 @@ def test_the_cache_view_draws_only_the_top_chains_of_ten_thousand(page, url: str
     assert re.search(r"read in \d+ ms, drawn in \d+ ms$", page.inner_text("#updated"))  # what bench cache-view reads
 
 
+def test_the_cache_view_shows_the_disk_tier(page, tiny, tmp_path: Path) -> None:
+    with served(tiny("llama"), threads=1, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (base, app):
+        page.goto(f"{base}/ui/cache")
+        page.locator("body[data-refreshes]").wait_for(state="attached")
+        assert page.locator("#store-text").inner_text() and not page.locator("#disk").is_hidden()
+        httpx.post(f"{base}/v1/completions", timeout=600, json={"prompt": "the archive " * 40, "max_tokens": 1})
+        assert app.state.models.persistence.disk.flush(30)
+        pages = app.state.models.persistence.disk.stats().pages
+        assert pages > 0
+        text = page.locator("#disk-text", has_text=re.compile(rf"of 64 MiB \(--prefix-disk-mb\) · {pages} pages"))
+        text.wait_for()
+        assert re.search(r"0 refused · 0 writes dropped · 0 evicted$", text.inner_text())
+
+
 # --- --api-key and --no-ui -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

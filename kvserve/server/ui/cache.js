@@ -75,6 +75,18 @@ function showStore(view) {
   $("store-text").textContent = `${formatBytes(held)} of ${formatBytes(budget)} (--prefix-state-mb) · ${pages}`;
 }
 
+function showDisk(tiers) {
+  // The server's disk tier (--prefix-disk-dir), shared by its models; hidden without one.
+  const disk = tiers?.disk;
+  $("disk").hidden = !disk;
+  if (!disk) return;
+  $("disk-bar").style.width = disk.budget_bytes ? `${Math.min(100, (100 * disk.bytes) / disk.budget_bytes)}%` : "0";
+  const rate = (bytes, seconds) => (seconds > 0 ? `${formatBytes(bytes / seconds)}/s` : "–");
+  $("disk-text").textContent = `${formatBytes(disk.bytes)} of ${formatBytes(disk.budget_bytes)} (--prefix-disk-mb) · `
+    + `${disk.pages} pages · ${disk.hits} read back, ${disk.writes} written (${rate(disk.written_bytes ?? 0, disk.write_seconds)}) · `
+    + `${disk.refused} refused · ${disk.dropped_writes} writes dropped · ${disk.evictions} evicted`;
+}
+
 function showStreams(pool) {
   const cells = pool.stream_cells;
   $("streams").replaceChildren(...pool.stream_states.map((s) => el("li", { class: `stream ${s.state}`, dataset: { seq: s.seq } },
@@ -145,6 +157,7 @@ async function refresh() {
     const read = performance.now();
     remember(parseMetrics(text, model));
     showStore(view);
+    showDisk(view.tiers);
     showStreams(view.pool);
     showChains(view);
     showRates();
