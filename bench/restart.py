@@ -586,6 +586,8 @@ def markdown(result: dict) -> str:
         lines += [markdown_table(["workload", "ratio", "median (lowest-highest)"], ratio_rows), ""]
     for note in result.get("not_run", []):
         lines += [f"Not run: {note}", ""]
+    for note in result.get("notes", []):  # what a reader of the numbers should know, added after the run
+        lines += [note, ""]
     return "\n".join(lines).rstrip()
 
 
