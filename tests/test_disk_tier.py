@@ -84,6 +84,21 @@ def test_restart_attaches_from_disk_and_equals_scratch(smollm2: Path, tiny, tmp_
     assert_like_alone(alone, out, tolerance)
 
 
+def test_pages_host_memory_cannot_keep_still_reach_the_disk(smollm2: Path, tmp_path: Path) -> None:
+    """A host budget of two or three pages: every page donated is written all the same, and after a
+    restart the prompt attaches them all from disk, equal to scratch."""
+    small = {"prefix_state_mb": 1}
+    with disk_engine(smollm2, tmp_path, **small) as e:
+        prompt = e.model.tokenize(TEXT, add_special=True)
+        run_traced(e, [traced(prompt)])
+        assert e.cache.stats().held_pages < len(prompt) // 16 - 2
+    assert len(list((tmp_path / "pages").rglob("*.page"))) >= len(prompt) // 16  # and the answer's
+    alone = _alone(smollm2, prompt)
+    out, cached = _after_restart(smollm2, tmp_path, prompt, **small)
+    assert cached == (len(prompt) - 1) // 16 * 16
+    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
 def test_another_prompts_rows_fail_the_comparison(smollm2: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The restart comparison catches rows of the wrong prompt: with keys that forget the tokens (a

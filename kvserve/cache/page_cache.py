@@ -22,11 +22,13 @@ Invariants:
   read, pages already cached get it from a PARTIAL_ONLY read (`SeqState.read_window`). Those rows
   are part of the pages' bytes, within the same budget.
 
-With a disk tier (`Tiers.disk`), every page stored in host memory is also written behind to disk,
-named by its key (page_key.py), and a window that fills a page later rewrites it there. A prompt
+With a disk tier (`Tiers.disk`), every page donated is also written behind to disk, named by its
+key (page_key.py), those the host budget cannot take included, and a window that fills a page later
+rewrites it there. A prompt
 matches the tree's pages, then the run of keys that follow them on disk; attach reads those files
 (each checked by the store, then against this context's layout: a page that fails either is
-discarded, never attached) into the tree and the host store, as if donated, and attaches them all.
+discarded, never attached) into the tree and the host store, as if donated, and attaches them all,
+those the host budget cannot take too (they stay on disk only).
 Pages evicted from host memory stay on disk. Each page entering or leaving host memory is an event
 (`Tiers.events`); the disk store announces its own.
 """
@@ -173,18 +175,23 @@ class PageCache(PrefixCache):
         self.check_attachable(session, key)
         path, on_disk = self._match(key)
         self._queried_tokens += len(key.tokens)
+        unkept: list[KvPage] = []  # pages read from disk that host memory could not take
         if on_disk:
             self._lock(session, path)  # keep them while storing the pages read evicts
-            path = path + self._read_disk(session, key, path, on_disk)
-            if self.rows.n_swa:
-                while path and not self.rows.restorable([self.store.peek(n) for n in path], len(path) * self.page_rows):
-                    path.pop()
-        if not path:
+            added, unkept = self._read_disk(session, key, path, on_disk)
+            path = path + added
+        pages = [self.store.get(node) for node in path] + unkept
+        if self.rows.n_swa:
+            while pages and not self.rows.restorable(pages, len(pages) * self.page_rows):
+                pages.pop()
+            del path[len(pages):]
+        if not pages:
             return []
-        n = len(path) * self.page_rows
-        self.rows.attach(session.seq, [self.store.get(node) for node in path], n)
+        n = len(pages) * self.page_rows
+        self.rows.attach(session.seq, pages, n)
         self._lock(session, path)
-        self.chains[path[-1].chain_id].hits += 1
+        if path:
+            self.chains[path[-1].chain_id].hits += 1
         self.tree.hit(path)
         self._hit_tokens += n
         return list(key.tokens[:n])
@@ -233,6 +240,8 @@ class PageCache(PrefixCache):
         pages = self.rows.donate(session.seq, self.page_rows, len(path), n_pages - len(path))
         chain = Chain(id=self._next_chain, path=path, preview=preview[:80], namespace=session.namespace)
         added = self._add_pages(session, tokens, chain, pages)
+        last = (path + added)[-1] if path or added else self.tree.root(session.namespace)
+        self._write_unkept(last, tokens, pages[len(added):])
         if not added:
             return None
         self._next_chain += 1
@@ -257,9 +266,11 @@ class PageCache(PrefixCache):
                 self._write_behind(node, new, replace=True)
         self.windows_filled += 1
 
-    def _read_disk(self, session: Session, key: PrefixKey, path: list[PageNode], keys: list[bytes]) -> list[PageNode]:
-        """Read the pages of `keys` (the run after `path`) from disk into the tree and the host store,
-        locked for the session, until one is missing, refused or does not fit."""
+    def _read_disk(self, session: Session, key: PrefixKey, path: list[PageNode],
+                   keys: list[bytes]) -> tuple[list[PageNode], list[KvPage]]:
+        """Read the pages of `keys` (the run after `path`) from disk, until one is missing or refused:
+        the nodes of those the tree and the host store took (locked for the session), then the pages
+        after them that host memory could not take (attached all the same; they stay on disk)."""
         disk, rows = self.tiers.disk, self.page_rows
         assert disk is not None
         pages: list[KvPage] = []
@@ -275,14 +286,14 @@ class PageCache(PrefixCache):
                 self.disk_refused += 1
                 break
         if not pages:
-            return []
+            return [], []
         chain = Chain(id=self._next_chain, path=list(path), preview="(from disk)", namespace=key.namespace)
         added = self._add_pages(session, list(key.tokens), chain, pages, write=False)
         if added:
             self._next_chain += 1
             self.chains[chain.id] = chain
             chain.path = path + added
-        return added
+        return added, pages[len(added):]
 
     def _add_pages(self, session: Session, tokens: list[int], chain: Chain, pages: list[KvPage],
                    write: bool = True) -> list[PageNode]:
@@ -307,6 +318,20 @@ class PageCache(PrefixCache):
         if self.tiers.events is not None:
             self.tiers.events.stored(added)
         return added
+
+    def _write_unkept(self, parent: PageNode, tokens: list[int], pages: list[KvPage]) -> None:
+        """Queue for the disk the pages after `parent` that host memory could not take: every page
+        donated reaches the disk, whatever the host budget."""
+        disk = self.tiers.disk
+        if disk is None or not pages:
+            return
+        seed, key = self.tree.root(parent.namespace).key, parent.key
+        for page in pages:
+            page_tokens = tuple(tokens[page.start : page.end])
+            child = page_key(key, page_tokens)
+            disk.put(child, key, seed, page_tokens, lambda page=page: self.rows.page_bytes(page),
+                     tag=self.tiers.tag, nbytes=page.nbytes)
+            key = child
 
     def _write_behind(self, node: PageNode, page: KvPage, replace: bool = False) -> None:
         """Queue `node`'s page for the disk (serialized on the disk's writer thread)."""
