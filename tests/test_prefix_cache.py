@@ -83,7 +83,8 @@ def test_attach_then_tail_prefill_equals_scratch(model: Model) -> None:
     pool.close()
 
 
-def test_prompt_equal_to_a_chain_attaches_one_token_short(model: Model) -> None:
+def test_prompt_equal_to_a_chain_attaches_all_but_its_last_token(model: Model) -> None:
+    """The last page is cached too: it is attached but its last row, and one token is evaluated."""
     pool, cache = create_kv_pool(model, PAGE, n_ctx_seq=1024, n_streams=4)
     kv = KvManager(pool, cache)
     prompt = model.tokenize(SYSTEM * 3, add_special=True)[: 3 * PAGE]  # exactly three pages
@@ -94,16 +95,15 @@ def test_prompt_equal_to_a_chain_attaches_one_token_short(model: Model) -> None:
     pool.end_session(a)
     assert cache.held_pages == 3
     # The whole prompt is cached, but the model must evaluate its last token to produce logits.
-    assert cache.match_len(PrefixKey("", prompt)) == 2 * PAGE
+    assert cache.match_len(PrefixKey("", prompt)) == 3 * PAGE - 1
     b = kv.new_session()
-    kv.attach(b, PrefixKey("", prompt))
+    assert kv.attach(b, PrefixKey("", prompt)) == 3 * PAGE - 1
+    assert _positions(pool, b) == (0, 3 * PAGE - 2)
     tail = prompt[b.n_past :]
-    assert len(tail) == PAGE
-    logits = kv.eval(b, tail)
+    assert len(tail) == 1
+    out_b = _generate(kv, b, tail, 8)
     pool.end_session(b)
-    scratch = kv.new_session()
-    assert int(np.argmax(kv.eval(scratch, prompt))) == int(np.argmax(logits))
-    pool.end_session(scratch)
+    assert out_b == _from_scratch(kv, prompt, 8)
     cache.release()
     pool.close()
 

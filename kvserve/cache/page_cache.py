@@ -3,8 +3,9 @@
 A page's KV rows live in host memory, in a `HostStore` keyed by its tree node: donate copies the
 rows of the new pages out of the session's stream (`SeqState.donate`), attach sets the matched
 pages into the new session's empty stream (`SeqState.attach`), then only the tail is evaluated.
-Matches are page-granular and stop one token short of the prompt, because the model needs at least
-one evaluated token to produce the next logits. Each namespace has a tree of its own: a prefix sent
+Matches are page-granular, but the attach stops one token short of the prompt, because the model
+needs at least one evaluated token to produce the next logits: a prompt whose last page is cached
+attaches that page but its last row, and evaluates one token, not a page. Each namespace has a tree of its own: a prefix sent
 under two namespaces is two chains, stored twice.
 
 Invariants:
@@ -121,19 +122,23 @@ class PageCache(PrefixCache):
     # -- lookup -------------------------------------------------------------------------------------
 
     def _match(self, key: PrefixKey) -> tuple[list[PageNode], list[bytes]]:
-        """The longest run of whole pages `attach` can restore, leaving a token of `key` to evaluate
-        (a sliding-window model's pages may lack the window before a shorter run's end): the tree's
-        path, then the keys of the pages after it on disk."""
-        most = max(len(key.tokens) - 1, 0) // self.page_rows
+        """The longest run of whole pages of `key` `attach` can restore (a sliding-window model's pages
+        may lack the window before a shorter run's end): the tree's path, then the keys of the pages
+        after it on disk."""
+        most = len(key.tokens) // self.page_rows
         path = self.tree.match(key, most)
         on_disk = self._disk_run(key, path, most)
         if self.rows.n_swa:
             pages = [self.store.peek(node) for node in path] + self._disk_outlines(on_disk, len(path))
-            while pages and not self.rows.restorable(pages, len(pages) * self.page_rows):
+            while pages and not self.rows.restorable(pages, self._rows_of(key, len(pages))):
                 pages.pop()
             del on_disk[max(len(pages) - len(path), 0):]
             del path[len(pages):]
         return path, on_disk
+
+    def _rows_of(self, key: PrefixKey, n_pages: int) -> int:
+        """The positions `n_pages` pages of `key` restore: all their rows, leaving one token to evaluate."""
+        return min(n_pages * self.page_rows, max(len(key.tokens) - 1, 0))
 
     def _disk_run(self, key: PrefixKey, path: list[PageNode], most: int) -> list[bytes]:
         """The keys of the pages of `key` after `path` that the disk holds, in a run."""
@@ -163,7 +168,7 @@ class PageCache(PrefixCache):
         """Tokens `attach` would attach right now, from host memory and disk. Changes no hit count
         and no recency."""
         path, on_disk = self._match(key)
-        return (len(path) + len(on_disk)) * self.page_rows
+        return self._rows_of(key, len(path) + len(on_disk))
 
     def matched_keys(self, key: PrefixKey) -> list[bytes]:
         """The keys of the pages `attach` would attach now, in order. Touches nothing."""
@@ -171,7 +176,8 @@ class PageCache(PrefixCache):
         return [node.key for node in path] + on_disk
 
     def attach(self, session: Session, key: PrefixKey) -> list[int]:
-        """Set the longest cached run of whole pages of `key` into an empty session's stream."""
+        """Set the longest cached run of whole pages of `key` into an empty session's stream, all but
+        the prompt's last token."""
         self.check_attachable(session, key)
         path, on_disk = self._match(key)
         self._queried_tokens += len(key.tokens)
@@ -182,12 +188,12 @@ class PageCache(PrefixCache):
             path = path + added
         pages = [self.store.get(node) for node in path] + unkept
         if self.rows.n_swa:
-            while pages and not self.rows.restorable(pages, len(pages) * self.page_rows):
+            while pages and not self.rows.restorable(pages, self._rows_of(key, len(pages))):
                 pages.pop()
             del path[len(pages):]
-        if not pages:
+        n = self._rows_of(key, len(pages))
+        if not n:
             return []
-        n = len(pages) * self.page_rows
         self.rows.attach(session.seq, pages, n)
         self._lock(session, path)
         if path:

@@ -171,11 +171,11 @@ class EventIndex:
         return set(block.media) if block else set()
 
     def predict(self, tokens: list[int], block_size: int) -> int:
-        """The tokens a replica would attach for a prompt: whole blocks from the start, first blocks
-        (parent None) then children by (parent, tokens), leaving at least one token of the prompt."""
+        """The tokens of the whole blocks of a prompt a replica holds, from the start: first blocks
+        (parent None) then children by (parent, tokens). (It attaches them but the prompt's last token.)"""
         if block_size <= 0:
             raise ValueError("block_size must be > 0")
-        most = max(0, (len(tokens) - 1) // block_size)
+        most = len(tokens) // block_size
         frontier: set[Hash | None] = {None}
         n = 0
         while n < most:
