@@ -1,5 +1,5 @@
 """python -m bench [compare|sweep|attention|host-tier|kv-types|lora|serving|prefix|checkpoints|soak|embeddings|
-speculative|cache-view|models|restart]: each writes JSON and Markdown to bench/results/.
+speculative|cache-view|models|restart|kv-events]: each writes JSON and Markdown to bench/results/.
 
 compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
 kvserve next to llama-server over 1 to 32 users and prompts of 256 to 4,096 tokens; attention times
@@ -15,7 +15,8 @@ and an embedder at once (a RAG mix) from one kvserve against a process per model
 loading, reloading and swapping models under `--models-max 1`; restart times a prompt's TTFT after a
 restart with the disk tier (`--prefix-disk-dir`, after SIGTERM and SIGKILL) against computing it and
 against llama-server's slot save and restore, the tier's bandwidth against dd, and the shared and
-multiturn workloads with a small host budget over the disk tier.
+multiturn workloads with a small host budget over the disk tier; kv-events serves those workloads with
+`--kv-events` and no subscriber against without, in turns.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from __future__ import annotations
 import argparse
 
 from bench import (
-    attention, cache_view, checkpoints, compare, embeddings, host_tier, kv_types, lora, models, prefix, restart,
+    attention, cache_view, checkpoints, compare, embeddings, host_tier, kv_events, kv_types, lora, models, prefix, restart,
     serving, soak, speculative, sweep,
 )
 
 WORKLOADS = ["shared", "multiturn", "unique", "long", "conversations"]
 SERVERS = ["kvserve", "llama-server", "llama-server-defaults", "llama-cpp-python"]
 SUITES = ["compare", "sweep", "attention", "host-tier", "kv-types", "lora", "serving", "prefix", "checkpoints", "soak",
-          "embeddings", "speculative", "cache-view", "models", "restart"]
+          "embeddings", "speculative", "cache-view", "models", "restart", "kv-events"]
 
 
 def main() -> None:
@@ -42,11 +43,13 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="compare: only these workloads")
     parser.add_argument("--cells", nargs="+", metavar="GLOB",
                         help="speculative: only the cells whose server/workload/users matches one, e.g. 'kvserve-*/edit/1'")
+    parser.add_argument("--pair", help="speculative: the server measured in turns with kvserve-off "
+                             "(default kvserve-auto; kvserve-auto-nodraft is `auto` without a draft model, as a default serves it)")
     parser.add_argument("--hog", action="store_true",
                         help="speculative: run beside a CPU hog (a busy loop on the last core)")
     parser.add_argument("--sizes", help="restart: prompt sizes in tokens, each with its own runs after a colon "
                         "(default 2048,8192,16384; e.g. 2048,8192,16384:1)")
-    parser.add_argument("--runs", type=int, help="restart: runs per size (default 2; --quick 1)")
+    parser.add_argument("--runs", type=int, help="restart: runs per size; kv-events: turns of each config (default 2; --quick 1)")
     parser.add_argument("--parts", help="restart: which of restart,bandwidth,workloads (default all)")
     args = parser.parse_args()
     if args.suite == "compare":
@@ -54,13 +57,15 @@ def main() -> None:
     elif args.suite == "sweep":
         print(sweep.main(args.quick, args.servers))
     elif args.suite == "speculative":
-        print(speculative.main(args.quick, args.cells, args.hog))
+        print(speculative.main(args.quick, args.cells, args.hog, args.pair))
     elif args.suite == "embeddings":
         print(embeddings.main(args.quick, args.servers))
     elif args.suite == "models":
         print(models.main(args.quick))
     elif args.suite == "restart":
         print(restart.main(args.quick, args.sizes, args.runs, args.parts))
+    elif args.suite == "kv-events":
+        print(kv_events.main(args.quick, args.runs))
     else:
         suites = {"attention": attention, "host-tier": host_tier, "kv-types": kv_types, "lora": lora,
                   "serving": serving, "prefix": prefix, "checkpoints": checkpoints, "soak": soak,

@@ -21,10 +21,10 @@ Workloads, greedy, 64 tokens:
   service's users ask the same thing in their own contexts; llama-server's n-gram pool and kvserve's
   recent answers draft the earlier answer);
 - novel: a free-form question that no request asked before (a topic of `TOPICS` each);
-- regenerate: the free-form question asked again (the prefix tree holds the earlier answer); at 4
-  and 8 users only on kvserve off and auto (the 8-user target's pair), elsewhere at 1 user.
+- regenerate: the free-form question asked again (the prefix tree holds the earlier answer); at 4,
+  8 and 16 users only on kvserve off and auto (the pair), elsewhere at 1 user.
 Every request but regenerate's starts with its own tag, so none finds an earlier answer in the tree.
-At 1 user, 3 requests one after another; at 4 and 8 users, one round of that many requests at once.
+At 1 user, 3 requests one after another; at 4, 8 and 16 users, one round of that many requests at once.
 kvserve off and auto, whose ratios the targets are, run at once and take turns (`measure_paired`),
 twice, started in either order (`serve`): 6 requests each at 1 user, 2 rounds each above. A cell's
 rate is the median over its requests; each start of the pair is a run, and the report gives each
@@ -64,14 +64,14 @@ from kvserve.testing.processes import ServerExited, kvserve_command
 from kvserve.testing.part_models import part_model
 
 RESULTS = Path(__file__).parent / "results"
-USERS = (1, 4, 8)
+USERS = (1, 4, 8, 16)
 ONE_USER_REQUESTS = 3
 MAX_TOKENS = 64
 THREADS = 2
 CTX = 4096  # per sequence
 # The pair that the targets compare, served at once and measured in turns (`measure_paired`), with
 # this many rounds at 1 user (a request each) and at 4 and 8 users (that many requests at once each).
-PAIRED = ("kvserve-off", "kvserve-auto")
+PAIRED = ("kvserve-off", "kvserve-auto")  # `--pair kvserve-auto-nodraft`: `auto` as a default serves it
 PAIRED_ROUNDS = (3, 1)  # in each of the two orders the pair is started in (`serve`)
 
 CODE = '''def summarize(values):
@@ -355,7 +355,10 @@ def cpu_hog() -> Iterator[str]:
         process.wait()
 
 
-def main(quick: bool = False, cells: list[str] | None = None, hog: bool = False) -> str:
+def main(quick: bool = False, cells: list[str] | None = None, hog: bool = False, pair: str | None = None) -> str:
+    global PAIRED
+    if pair:
+        PAIRED = (PAIRED[0], pair)
     target, draft = part_model("qwen2.5-coder-1.5b"), part_model("qwen2.5-coder-0.5b")
     if draft is None:
         raise SystemExit("the Qwen2.5-Coder-0.5B part packages are not installed (`make install-bench`)")
@@ -372,7 +375,7 @@ def main(quick: bool = False, cells: list[str] | None = None, hog: bool = False)
     name = ("speculative" if not quick and not cells else "speculative-partial") + ("-hog" if hog else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"target": target.name, "draft": draft.name if draft else None, "max_tokens": MAX_TOKENS,
+        {"target": target.name, "paired": PAIRED, "draft": draft.name if draft else None, "max_tokens": MAX_TOKENS,
          "threads": THREADS, "seconds": round(time.monotonic() - began), "label": label, "rows": run.rows}, indent=1))
     return report(run.rows, name, label)
 
@@ -391,17 +394,20 @@ def targets(rows: list[dict]) -> list[tuple[str, float | None, float]]:
              if r["server"].startswith("llama-server") and r["workload"] == "edit" and r["users"] == 1]
     best_llama, best_name = max(llama, default=(0.0, "llama-server"))
     off = {w: rate(rows, "kvserve-off", w, 1) for w in KVSERVE_WORKLOADS}
-    auto_edit = rate(rows, "kvserve-auto", "edit", 1)
+    auto = PAIRED[1]
+    auto_edit = rate(rows, auto, "edit", 1)
     found = [
         ("edit, 1 user: auto / off", ratio(auto_edit, off["edit"]), 1.5),
         (f"edit, 1 user: auto / {best_name} (llama-server's best)", ratio(auto_edit, best_llama), 1.25),
-        ("edit+prediction, 1 user: auto / off", ratio(rate(rows, "kvserve-auto", "edit+prediction", 1),
+        ("edit+prediction, 1 user: auto / off", ratio(rate(rows, auto, "edit+prediction", 1),
                                                       off["edit+prediction"]), 2.5),
-        ("free, 1 user: auto / off", ratio(rate(rows, "kvserve-auto", "free", 1), off["free"]), 1.0),
-        ("novel, 1 user: auto / off", ratio(rate(rows, "kvserve-auto", "novel", 1), off["novel"]), 1.0),
+        ("free, 1 user: auto / off", ratio(rate(rows, auto, "free", 1), off["free"]), 1.0),
     ]
+    for users in USERS:  # never-asked questions: drafting must cost nothing where nothing can be guessed
+        found.append((f"novel, {users} users: auto / off", ratio(rate(rows, auto, "novel", users),
+                                                               rate(rows, "kvserve-off", "novel", users)), 0.97))
     for workload in KVSERVE_WORKLOADS:
-        found.append((f"{workload}, 8 users: auto / off", ratio(rate(rows, "kvserve-auto", workload, 8),
+        found.append((f"{workload}, 8 users: auto / off", ratio(rate(rows, auto, workload, 8),
                                                               rate(rows, "kvserve-off", workload, 8)), 0.98))
     return found
 
@@ -464,5 +470,6 @@ if __name__ == "__main__":
                         help="only the cells whose server/workload/users matches one, e.g. 'kvserve-*/edit/1'")
     parser.add_argument("--hog", action="store_true",
                         help="run beside a CPU hog (a busy Python loop on the last core); the report says so")
+    parser.add_argument("--pair", help="the server measured in turns with kvserve-off (default kvserve-auto)")
     args = parser.parse_args()
-    print(main(args.quick, args.cells, args.hog))
+    print(main(args.quick, args.cells, args.hog, args.pair))
