@@ -174,6 +174,30 @@ def test_checkpoints_survive_a_restart(tiny, tmp_path: Path, arch: str) -> None:
         assert r.state.cached_tokens == t.opening  # the opening's checkpoint, read from disk
 
 
+
+@pytest.mark.parametrize("which", ["tiny-gemma3", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
+def test_sliding_window_pages_survive_a_restart(tiny, tmp_path: Path, request: pytest.FixtureRequest,
+                                                which: str) -> None:
+    """A sliding-window model keeps the window's rows with the pages at the opening's mark; after a
+    restart another conversation on the same system prompt attaches them from disk (most of its
+    opening) and answers as it does with the cache off."""
+    from test_sliding_window import QUESTIONS, _chat
+
+    path = tiny("gemma3") if which == "tiny-gemma3" else request.getfixturevalue("gemma3")
+    options = {"flash_attn": "off"} if which == "tiny-gemma3" else {}
+    with disk_engine(path, tmp_path, **options) as e:
+        first, turn = _chat(e, QUESTIONS[0])
+        run(e, [first])
+        assert turn.opening > 0
+    with disk_engine(path, tmp_path / "off", prefix_cache=False, **options) as e:
+        r, _ = _chat(e, QUESTIONS[1])
+        scratch = run(e, [r])[r.id]
+    with disk_engine(path, tmp_path, **options) as e:
+        r, t = _chat(e, QUESTIONS[1])
+        assert run(e, [r])[r.id] == scratch
+        assert r.state.cached_tokens >= 0.9 * t.opening, (r.state.cached_tokens, t.opening)
+        assert e.cache.tiers.disk.stats().hits > 0  # from disk, not recomputed
+
 # -- the server: files, crashes, two servers ------------------------------------------------------
 
 def _chat(url: str, content: str, max_tokens: int = 4) -> dict:
