@@ -275,7 +275,7 @@ class Speculator:
                 "ubatch_seconds": {str(n): round(t, 5) for n, (t, _) in entries.items() if n <= 64},
                 "ubatch_samples": {str(n): k for n, (_, k) in entries.items() if n <= 64},
                 "ubatch_to_time": sorted(self.cost.untimed),
-                "ubatch_scale": round(self.cost.scale, 3), "seconds_per_key": self.cost.per_key,
+                "seconds_per_key": self.cost.per_key,
                 "dropped_drafts": {name: {d.value: k for d, k in s.dropped.items()} for name, s in self.stats.items()},
                 **(model.describe() if model else {})}
 
