@@ -103,6 +103,7 @@ class UbatchCost:
         self._sizes = sorted(self.table)
         self.untimed = set()
         self.samples, self._learnt, self._sampled_at, self._load = {}, {}, {}, 1.0
+        self._points, self.per_key = {}, 0.0
 
     def next_to_time(self) -> int | None:
         """The smallest size still to time (`to_time`), or None: all are timed, tried or learnt."""
