@@ -5,8 +5,8 @@ rows of the new pages out of the session's stream (`SeqState.donate`), attach se
 pages into the new session's empty stream (`SeqState.attach`), then only the tail is evaluated.
 Matches are page-granular, but the attach stops one token short of the prompt, because the model
 needs at least one evaluated token to produce the next logits: a prompt whose last page is cached
-attaches that page but its last row, and evaluates one token, not a page. Each namespace has a tree of its own: a prefix sent
-under two namespaces is two chains, stored twice.
+attaches that page but its last row, and evaluates one token, not a page. Each namespace has a tree
+of its own: a prefix sent under two namespaces is two chains, stored twice.
 
 Invariants:
 - every node of the forest has its page in the store, and every page in the store is a node's: a
@@ -130,11 +130,18 @@ class PageCache(PrefixCache):
         on_disk = self._disk_run(key, path, most)
         if self.rows.n_swa:
             pages = [self.store.peek(node) for node in path] + self._disk_outlines(on_disk, len(path))
-            while pages and not self.rows.restorable(pages, self._rows_of(key, len(pages))):
-                pages.pop()
-            del on_disk[max(len(pages) - len(path), 0):]
-            del path[len(pages):]
+            n = self._restorable(key, pages)
+            del on_disk[max(n - len(path), 0):]
+            del path[n:]
         return path, on_disk
+
+    def _restorable(self, key: PrefixKey, pages: list[KvPage]) -> int:
+        """How many of `pages` (from the start) a sliding-window model can restore for `key`: the
+        longest run whose pages hold the window before the positions it restores."""
+        n = len(pages)
+        while n and not self.rows.restorable(pages[:n], self._rows_of(key, n)):
+            n -= 1
+        return n
 
     def _rows_of(self, key: PrefixKey, n_pages: int) -> int:
         """The positions `n_pages` pages of `key` restore: all their rows, leaving one token to evaluate."""
@@ -188,8 +195,7 @@ class PageCache(PrefixCache):
             path = path + added
         pages = [self.store.get(node) for node in path] + unkept
         if self.rows.n_swa:
-            while pages and not self.rows.restorable(pages, self._rows_of(key, len(pages))):
-                pages.pop()
+            del pages[self._restorable(key, pages):]
             del path[len(pages):]
         n = self._rows_of(key, len(pages))
         if not n:
