@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 from bench import compare, report, workloads
-from bench.restart import START_CAP, loadavg, the_workloads
+from bench.restart import START_CAP, loadavg, the_workloads, workload_ratios, workload_turns
 from bench.stats import markdown_table, summarize
 from kvserve.config import embedded_model_path
 from kvserve.testing import ServerProcess, free_port, kvserve_command, read_metrics
@@ -28,12 +27,6 @@ RESULTS = Path(__file__).parent / "results"
 RUNS = 2
 CONFIGS = ("off", "events")
 METRICS = ("output_tok_s", "ttft_p50", "ttft_p95", "step_ms")
-
-
-def turns(runs: int) -> list[str]:
-    """`runs` turns of each config in ABBA order: off, events, events, off, off, events, ..."""
-    pattern = [CONFIGS[0], CONFIGS[1], CONFIGS[1], CONFIGS[0]]
-    return [pattern[i % 4] for i in range(2 * runs)]
 
 
 def measure(config: str, workload: workloads.Workload, max_tokens: int, extra: dict) -> dict:
@@ -58,20 +51,6 @@ def measure(config: str, workload: workloads.Workload, max_tokens: int, extra: d
     return row
 
 
-def ratios(rows: list[dict]) -> dict:
-    """events / off per workload and metric, each events turn against the off turn beside it."""
-    out = {}
-    for name in dict.fromkeys(r["workload"] for r in rows):
-        mine = {r["turn"]: r for r in rows if r["workload"] == name}
-        pairs = []
-        for turn, r in mine.items():
-            partner = next((mine[t] for t in (turn - 1, turn + 1) if mine.get(t, {}).get("config") == "off"), None)
-            if r["config"] == "events" and partner is not None:
-                pairs.append((r, partner))
-        out[name] = {m: [e[m] / o[m] for e, o in pairs if e.get(m) and o.get(m)] for m in METRICS}
-    return out
-
-
 def markdown(result: dict) -> str:
     lines = [report.describe_machine(result["machine"]), "",
              f"SmolLM2-135M, {compare.SLOTS} slots x {compare.CTX_PER_REQUEST} context, {result['max_tokens']} output "
@@ -86,7 +65,7 @@ def markdown(result: dict) -> str:
           int(r["dropped"]), r["errors"]] for r in result["rows"]]))
     lines += ["", markdown_table(
         ["workload", "events / off", "median (lowest-highest)"],
-        [[name, metric, f"{statistics.median(v):.3f}x ({min(v):.3g}-{max(v):.3g}, {len(v)} pairs)" if v else "n/a"]
+        [[name, metric, f"{v['median']:.3f}x ({v['min']:.3g}-{v['max']:.3g}, {v['pairs']} pairs)" if v else "n/a"]
          for name, metrics in result["ratios"].items() for metric, v in metrics.items()])]
     return "\n".join(lines)
 
@@ -95,17 +74,18 @@ def main(quick: bool = False, runs: int | None = None) -> str:
     runs = runs or (1 if quick else RUNS)
     max_tokens = 16 if quick else compare.MAX_TOKENS
     extra = {"logit_bias": compare.end_of_generation_bias(embedded_model_path())}
-    result: dict = {"machine": report.machine(), "loadavg_before": loadavg(), "turns": turns(runs),
+    turns = workload_turns(runs, CONFIGS)
+    result: dict = {"machine": report.machine(), "loadavg_before": loadavg(), "turns": turns,
                     "max_tokens": max_tokens, "rows": []}
     began = time.monotonic()
     for workload in the_workloads(quick):
-        for turn, config in enumerate(turns(runs)):
+        for turn, config in enumerate(turns):
             row = measure(config, workload, max_tokens, extra) | {"turn": turn}
             result["rows"].append(row)
             print(f"{workload.name:>10} {config:>6} turn {turn}: {row['output_tok_s']:.1f} tok/s, TTFT p50 "
                   f"{row['ttft_p50']:.3f} s, step {row['step_ms']} ms, published {row['published']:.0f}, "
                   f"dropped {row['dropped']:.0f}, errors {row['errors']}", flush=True)
-    result["ratios"] = ratios(result["rows"])
+    result["ratios"] = workload_ratios(result["rows"], CONFIGS, METRICS)
     result["seconds"] = round(time.monotonic() - began)
     result["loadavg_after"] = loadavg()
     name = "kv_events-partial" if quick else "kv_events"

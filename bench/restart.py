@@ -372,9 +372,10 @@ def the_workloads(quick: bool) -> list[workloads.Workload]:
     return [workloads.shared(), workloads.multiturn()]
 
 
-def workload_turns(runs: int) -> list[str]:
+def workload_turns(runs: int, configs: tuple[str, str] = ("host", "disk")) -> list[str]:
     """`runs` turns of each config in ABBA order: host, disk, disk, host, host, disk, ..."""
-    pattern = ["host", "disk", "disk", "host"]
+    a, b = configs
+    pattern = [a, b, b, a]
     return [pattern[i % 4] for i in range(2 * runs)]
 
 
@@ -424,22 +425,24 @@ def workloads_part(quick: bool, runs: int, tmp: Path) -> list[dict]:
     return rows
 
 
-def workload_ratios(rows: list[dict]) -> dict:
-    """disk / host per workload and metric, pairing each disk turn with the host turn nearest it in ABBA
-    order (turn 0 with 1, 3 with 2, ...)."""
+def workload_ratios(rows: list[dict], configs: tuple[str, str] = ("host", "disk"),
+                    metrics: tuple[str, ...] = ("output_tok_s", "ttft_p50", "ttft_p95")) -> dict:
+    """disk / host (the second config over the first) per workload and metric, pairing each disk turn
+    with the host turn nearest it in ABBA order (turn 0 with 1, 3 with 2, ...)."""
+    base, other = configs
     out = {}
     for name in dict.fromkeys(r["workload"] for r in rows):
         mine = {r["turn"]: r for r in rows if r["workload"] == name}
         pairs = []
         for turn, r in mine.items():
-            if r["config"] != "disk":
+            if r["config"] != other:
                 continue
-            partner = next((mine[t] for t in (turn - 1, turn + 1) if t in mine and mine[t]["config"] == "host"), None)
+            partner = next((mine[t] for t in (turn - 1, turn + 1) if t in mine and mine[t]["config"] == base), None)
             if partner is not None:
                 pairs.append((r, partner))
         out[name] = {}
-        for metric in ("output_tok_s", "ttft_p50", "ttft_p95"):
-            found = [d[metric] / h[metric] for d, h in pairs if h.get(metric)]
+        for metric in metrics:
+            found = [d[metric] / h[metric] for d, h in pairs if h.get(metric) and d.get(metric) is not None]
             out[name][metric] = ({"median": statistics.median(found), "min": min(found), "max": max(found),
                                   "pairs": len(found)} if found else None)
     return out

@@ -70,7 +70,7 @@ MAX_TOKENS = 64
 THREADS = 2
 CTX = 4096  # per sequence
 # The pair that the targets compare, served at once and measured in turns (`measure_paired`), with
-# this many rounds at 1 user (a request each) and at 4 and 8 users (that many requests at once each).
+# this many rounds at 1 user (a request each) and above (that many requests at once each).
 PAIRED = ("kvserve-off", "kvserve-auto")  # `--pair kvserve-auto-nodraft`: `auto` as a default serves it
 PAIRED_ROUNDS = (3, 1)  # in each of the two orders the pair is started in (`serve`)
 

@@ -457,16 +457,21 @@ def test_restart_prompts_are_cut_to_size_and_targets_pair_cold_with_restart(tmp_
 def test_kv_events_turns_alternate_and_each_events_turn_pairs_with_an_off_turn_beside_it() -> None:
     from bench import kv_events
 
-    assert kv_events.turns(2) == ["off", "events", "events", "off"]
+    from bench.restart import workload_ratios, workload_turns
+
+    turns = workload_turns(2, kv_events.CONFIGS)
+    assert turns == ["off", "events", "events", "off"]
     row = {"workload": "shared", "output_tok_s": 10.0, "ttft_p50": 1.0, "ttft_p95": 2.0, "step_ms": 20.0}
     rows = [{**row, "config": c, "turn": t, "output_tok_s": v}
-            for t, (c, v) in enumerate(zip(kv_events.turns(2), (10.0, 9.0, 12.0, 8.0)))]
-    found = kv_events.ratios(rows)["shared"]
-    assert found["output_tok_s"] == [0.9, 1.5]  # turn 1 against turn 0, turn 2 against turn 3
-    assert found["step_ms"] == [1.0, 1.0]
+            for t, (c, v) in enumerate(zip(turns, (10.0, 9.0, 12.0, 8.0)))]
+    ratios = workload_ratios(rows, kv_events.CONFIGS, kv_events.METRICS)
+    found = ratios["shared"]
+    # turn 1 against turn 0 (0.9), turn 2 against turn 3 (1.5)
+    assert found["output_tok_s"] == {"median": 1.2, "min": 0.9, "max": 1.5, "pairs": 2}
+    assert found["step_ms"] == {"median": 1.0, "min": 1.0, "max": 1.0, "pairs": 2}
     text = kv_events.markdown({"machine": {"cpu": "c", "cores": 2, "memory_gib": 1, "os": "l", "llama_cpp_python": "x",
-                                          "kvserve_commit": "y"}, "turns": kv_events.turns(2), "max_tokens": 8,
+                                          "kvserve_commit": "y"}, "turns": turns, "max_tokens": 8,
                                "loadavg_before": [0], "loadavg_after": [0], "seconds": 1,
                                "rows": [{**r, "published": 3, "dropped": 0, "errors": 0} for r in rows],
-                               "ratios": kv_events.ratios(rows)})
+                               "ratios": ratios})
     assert "| shared | output_tok_s | 1.200x (0.9-1.5, 2 pairs) |" in text
