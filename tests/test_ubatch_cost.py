@@ -238,3 +238,4 @@ def test_an_auto_server_is_healthy_before_timing_and_fills_the_table_while_idle(
             assert time.monotonic() < deadline, info
             time.sleep(0.2)
         assert set(info["ubatch_seconds"]) >= {str(n) for n in CALIBRATION_SIZES}, info
+        assert info["enabled"] and info["drafters"] == ["prediction", "tree", "recent", "ngram"]
