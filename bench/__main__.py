@@ -1,7 +1,8 @@
 """python -m bench [compare|sweep|attention|host-tier|kv-types|lora|serving|prefix|checkpoints|soak|embeddings|
 speculative|cache-view|models|restart|kv-events]: each writes JSON and Markdown to bench/results/.
 
-compare (the default) puts kvserve next to llama-server and llama-cpp-python's server; sweep puts
+compare (the default) puts kvserve next to llama-server, loaded side by side and measured in turns
+(`--servers` adds llama-server at its defaults and llama-cpp-python's server); sweep puts
 kvserve next to llama-server over 1 to 32 users and prompts of 256 to 4,096 tokens; attention times
 raw llama_decode calls in a unified KV cache against a stream per sequence (kvserve's layout, and
 why it is); host-tier times copying a prefix's KV rows to host memory and back against prefilling
@@ -49,11 +50,11 @@ def main() -> None:
                         help="speculative: run beside a CPU hog (a busy loop on the last core)")
     parser.add_argument("--sizes", help="restart: prompt sizes in tokens, each with its own runs after a colon "
                         "(default 2048,8192,16384; e.g. 2048,8192,16384:1)")
-    parser.add_argument("--runs", type=int, help="restart: runs per size; kv-events: turns of each config (default 2; --quick 1)")
+    parser.add_argument("--runs", type=int, help="compare: turns of each workload; restart: runs per size; kv-events: turns of each config (default 2; --quick 1)")
     parser.add_argument("--parts", help="restart: which of restart,bandwidth,workloads (default all)")
     args = parser.parse_args()
     if args.suite == "compare":
-        print(compare.main(args.quick, args.servers, args.workloads))
+        print(compare.main(args.quick, args.servers, args.workloads, args.runs))
     elif args.suite == "sweep":
         print(sweep.main(args.quick, args.servers))
     elif args.suite == "speculative":

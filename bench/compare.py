@@ -1,16 +1,21 @@
-"""The comparison, the default benchmark suite: kvserve against llama-server and llama-cpp-python's server.
+"""The comparison, the default benchmark suite: kvserve against llama-server (and, asked for,
+llama-server at its defaults and llama-cpp-python's server).
 
-Each workload runs on a freshly started server of each kind (so no workload warms another's cache),
-on loopback, with the same model file, threads and per-request context. Every request streams a
-chat completion at temperature 0 and generates exactly MAX_TOKENS tokens: end-of-generation tokens
-get a logit bias of -100, the OpenAI field all three servers honour (llama-server's own ignore_eos
-is the same bias).
+Each workload runs on freshly started servers (so no workload warms another's cache), on loopback,
+with the same model file, threads and per-request context. The servers of a turn are loaded side by
+side and measured one after another, in turns: in the order given, then reversed (A B, B A), each
+turn on fresh servers; the targets are ratios of the same turn, reported as their median and
+spread, since this box's speed drifts by 10-50% within an hour. Every request streams a chat
+completion at temperature 0 and generates exactly MAX_TOKENS tokens: end-of-generation tokens get a
+logit bias of -100, the OpenAI field all three servers honour (llama-server's own ignore_eos is the
+same bias).
 
-python -m bench [compare] [--quick] [--servers ...] [--workloads ...]
+python -m bench [compare] [--quick] [--servers ...] [--workloads ...] [--runs N]
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -28,6 +33,8 @@ MAX_TOKENS = 64
 SLOTS = 8
 CTX_PER_REQUEST = 4096  # a long prompt (~3,000 tokens) and its answer fit
 WARM_UP = [{"role": "user", "content": "Say hello."}]
+PAIRED = ("kvserve", "llama-server")  # the servers of a run not told which: the targets' pair
+RUNS = 2  # turns of each workload, the servers' order reversed each turn
 
 
 def all_workloads(quick: bool) -> list[Workload]:
@@ -47,39 +54,56 @@ def end_of_generation_bias(model_path: Path) -> dict[str, float]:
         model.close()
 
 
-def measure(server: Server, workload: Workload, max_tokens: int, extra: dict) -> dict:
-    port = free_port()
-    with ServerProcess(server.command(port), port, RESULTS / f"{server.name}-{workload.name}.log") as process:
-        process.wait_healthy(server.health)
-        workloads.run_sync(process.url, Workload("warm-up", 1, 1, lambda *_: WARM_UP), 8, extra)
-        run = workloads.run_sync(process.url, workload, max_tokens, extra)
-    row = {"server": server.name, "workload": workload.name, **summarize(run.results, run.wall)}
-    print(f"{workload.name:>10} {server.name:>16}: TTFT p95 {row['ttft_p95']:.2f} s, "
-          f"{row['output_tok_s']:.1f} tok/s, {row['errors']} errors {row['first_error'] or ''}", flush=True)
-    return row
+def turns(servers: list[Server], runs: int) -> list[list[Server]]:
+    """The order the servers start and are measured in, turn by turn: as given, then reversed."""
+    return [servers if turn % 2 == 0 else servers[::-1] for turn in range(runs)]
 
 
-def main(quick: bool = False, servers: list[str] | None = None, only: list[str] | None = None) -> str:
+def measure_turn(order: list[Server], workload: Workload, max_tokens: int, extra: dict, turn: int) -> list[dict]:
+    """`workload` on each server of `order`, all started fresh and loaded side by side, one at a time."""
+    with contextlib.ExitStack() as stack:
+        up = []
+        for server in order:
+            port = free_port()
+            log = RESULTS / f"{server.name}-{workload.name}.log"
+            up.append((server, stack.enter_context(ServerProcess(server.command(port), port, log))))
+        for server, process in up:
+            process.wait_healthy(server.health)
+            workloads.run_sync(process.url, Workload("warm-up", 1, 1, lambda *_: WARM_UP), 8, extra)
+        rows = []
+        for server, process in up:
+            run = workloads.run_sync(process.url, workload, max_tokens, extra)
+            row = {"server": server.name, "workload": workload.name, "turn": turn, **summarize(run.results, run.wall)}
+            print(f"{workload.name:>13} {server.name:>21} turn {turn}: TTFT p95 {row['ttft_p95']:.2f} s, "
+                  f"{row['output_tok_s']:.1f} tok/s, {row['errors']} errors {row['first_error'] or ''}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def main(quick: bool = False, servers: list[str] | None = None, only: list[str] | None = None,
+         runs: int | None = None) -> str:
     binary = llama_server.require()
     setup = Setup(model=embedded_model_path(), threads=os.cpu_count() or 1, ctx_per_request=CTX_PER_REQUEST,
                   slots=SLOTS)
-    chosen = [s for s in contenders(setup, binary) if servers is None or s.name in servers]
+    chosen = [s for s in contenders(setup, binary) if s.name in (servers or PAIRED)]
     chosen_workloads = [w for w in all_workloads(quick) if only is None or w.name in only]
     max_tokens = 16 if quick else MAX_TOKENS
+    runs = runs or (1 if quick else RUNS)
     extra = {"logit_bias": end_of_generation_bias(setup.model)}
-    rows = [measure(server, workload, max_tokens, extra) for workload in chosen_workloads for server in chosen
-            if server.runs(workload.name)]
+    rows = [row for workload in chosen_workloads
+            for turn, order in enumerate(turns([s for s in chosen if s.runs(workload.name)], runs))
+            for row in measure_turn(order, workload, max_tokens, extra, turn)]
     result = {
         "machine": report.machine(),
         "settings": {"model": setup.model.name, "threads": setup.threads, "slots": setup.slots,
-                     "ctx_per_request": setup.ctx_per_request, "max_tokens": max_tokens,
+                     "ctx_per_request": setup.ctx_per_request, "max_tokens": max_tokens, "runs": runs,
                      "workloads": {w.name: {"users": w.users, "rounds": w.rounds, "at_once": w.at_once or w.users}
                                    for w in chosen_workloads}},
         "rows": rows,
         "targets": report.targets(rows),
     }
     # only a full run replaces the results docs/benchmarks.md shows
-    name = "latest" if not quick and servers is None and only is None else "partial"
+    name = "latest" if not quick and servers is None and only is None and runs >= RUNS else "partial"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     markdown = report.markdown(result)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import statistics
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,15 +53,31 @@ def machine() -> dict:
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """Each target whose workload ran on both kvserve and the target's reference."""
-    by = {(r["server"], r["workload"]): r for r in rows}
+    """Each target whose workload ran on both kvserve and the target's reference: kvserve's value over
+    the reference's in each turn both ran (a row without a turn is turn 0), and their median."""
+    by = {(r["server"], r["workload"], r.get("turn", 0)): r for r in rows}
     out = []
     for t in TARGETS:
-        if ("kvserve", t.workload) in by and (t.reference, t.workload) in by:
-            ratio = by["kvserve", t.workload][t.metric] / by[t.reference, t.workload][t.metric]
+        ratios = [mine[t.metric] / by[t.reference, workload, turn][t.metric]
+                  for (server, workload, turn), mine in by.items()
+                  if server == "kvserve" and workload == t.workload and (t.reference, workload, turn) in by]
+        if ratios:
+            ratio = statistics.median(ratios)
             met = ratio >= t.goal if t.higher_is_better else ratio <= t.goal
-            out.append({"target": t.describe(), "ratio": ratio, "met": met})
+            out.append({"target": t.describe(), "ratio": ratio, "by_turn": ratios, "met": met})
     return out
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per server and workload: each figure the median over its turns."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["server"], r["workload"]), []).append(r)
+    return [{**mine[0], **{k: statistics.median(r[k] for r in mine) for k in MEDIAN_KEYS
+                           if all(isinstance(r.get(k), (int, float)) for r in mine)}} for mine in groups.values()]
+
+
+MEDIAN_KEYS = ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "output_tok_s", "requests_s")
 
 
 def cached(row: dict) -> str:
@@ -77,25 +94,26 @@ def describe_machine(m: dict) -> str:
 
 def markdown(result: dict) -> str:
     s = result["settings"]
+    turns = f", {s['runs']} turns per workload" if s.get("runs") else ""
     header = (f"{describe_machine(result['machine'])}; {s['model']}, {s['threads']} threads, "
-              f"{s['slots']} slots x {s['ctx_per_request']} context, {s['max_tokens']} output tokens per request.")
+              f"{s['slots']} slots x {s['ctx_per_request']} context, {s['max_tokens']} output tokens per request{turns}.")
     table = markdown_table(
-        ["workload", "server", "TTFT p50 s", "TTFT p95 s", "ITL p50 ms", "ITL p95 ms", "output tok/s",
+        ["workload", "server", "turn", "TTFT p50 s", "TTFT p95 s", "ITL p50 ms", "ITL p95 ms", "output tok/s",
          "requests/s", "cached prompt tokens", "errors"],
-        [[r["workload"], r["server"], r["ttft_p50"], r["ttft_p95"], r["itl_p50"] * 1000, r["itl_p95"] * 1000,
-          r["output_tok_s"], r["requests_s"], cached(r), r["errors"]] for r in result["rows"]])
-    goals = markdown_table(["target", "kvserve / reference", "met"],
-                           [[t["target"], f"{t['ratio']:.2f}x", "yes" if t["met"] else "**no**"]
-                            for t in result["targets"]])
+        [[r["workload"], r["server"], r.get("turn", 0), r["ttft_p50"], r["ttft_p95"], r["itl_p50"] * 1000,
+          r["itl_p95"] * 1000, r["output_tok_s"], r["requests_s"], cached(r), r["errors"]] for r in result["rows"]])
+    goals = markdown_table(["target", "kvserve / reference (median)", "by turn", "met"],
+                           [[t["target"], f"{t['ratio']:.2f}x", ", ".join(f"{x:.2f}x" for x in t.get("by_turn", ())),
+                             "yes" if t["met"] else "**no**"] for t in result["targets"]])
     return f"{header}\n\n{table}\n\n{goals}"
 
 
 def chart(rows: list[dict], path: Path) -> None:
-    """TTFT (p50 bar, whisker to p95) and output tok/s per workload, one bar per server."""
+    """TTFT (p50 bar, whisker to p95) and output tok/s per workload, one bar per server (medians over turns)."""
     plt = pyplot()
     workload_names = list(dict.fromkeys(r["workload"] for r in rows))
     servers = list(dict.fromkeys(r["server"] for r in rows))
-    by = {(r["server"], r["workload"]): r for r in rows}
+    by = {(r["server"], r["workload"]): r for r in medians(rows)}
     width = 0.8 / len(servers)
     figure, (ttft, throughput) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, server in enumerate(servers):

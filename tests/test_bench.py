@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import attention, host_tier, kv_types, lora, sweep, workloads
+from bench import attention, compare, host_tier, kv_types, lora, sweep, workloads
 from bench import embeddings as bench_embeddings
 from bench.client import Result, stream_chat
-from bench.report import markdown, targets
+from bench.report import markdown, medians, targets
 from bench.servers import Setup, contenders
 from bench.stats import summarize
 from conftest import serve
@@ -152,8 +152,20 @@ def test_targets_are_ratios_to_llama_server_from_the_same_run() -> None:
     assert got["conversations: output tok/s ≥ 1.5x llama-server-defaults"] == (1.2, False)
     settings = {"model": "m.gguf", "threads": 2, "slots": 8, "ctx_per_request": 4096, "max_tokens": 64}
     text = markdown({"machine": MACHINE, "settings": settings, "rows": rows, "targets": targets(rows)})
-    assert "| shared | llama-cpp-python |" in text and "not reported" in text and "90 / 100 (90%)" in text
-    assert "| shared: TTFT p95 ≤ 0.2x llama-server | 0.50x | **no** |" in text
+    assert "| shared | llama-cpp-python | 0 |" in text and "not reported" in text and "90 / 100 (90%)" in text
+    assert "| shared: TTFT p95 ≤ 0.2x llama-server | 0.50x | 0.50x | **no** |" in text
+
+
+def test_targets_pair_each_turn_and_take_the_median() -> None:
+    """Turns pair kvserve with the reference of the same turn (servers loaded side by side, measured
+    in turns): a turn the reference did not run counts for nothing, and the target is the median."""
+    rows = [{**row("kvserve", "shared", tok_s, 1.0, 90), "turn": turn} for turn, tok_s in enumerate((30.0, 20.0, 99.0))]
+    rows += [{**row("llama-server", "shared", tok_s, 1.0, 50), "turn": turn} for turn, tok_s in enumerate((10.0, 10.0))]
+    got = {t["target"]: t for t in targets(rows)}["shared: output tok/s ≥ 3x llama-server"]
+    assert (got["ratio"], got["by_turn"], got["met"]) == (2.5, [3.0, 2.0], False)
+    assert {(r["server"], r["output_tok_s"]) for r in medians(rows)} == {("kvserve", 30.0), ("llama-server", 10.0)}
+    order = [s.name for s in contenders(Setup(Path("/m"), 1, 64, 1), Path("/l"))[:2]]
+    assert [[s for s in turn] for turn in compare.turns(order, 3)] == [order, order[::-1], order]
 
 
 def test_every_server_gets_the_same_model_threads_and_context() -> None:
