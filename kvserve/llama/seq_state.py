@@ -315,7 +315,7 @@ class SeqState:
     def _learn(self, layout: tuple[_Section, ...], header: bytes, blob: np.ndarray, cells: list[_Cells]) -> None:
         """Take `layout` once writing the cells back in their order gives the blob byte for byte."""
         self._layout, self._header = layout, header
-        if not np.array_equal(self._write([(c.stream, c.as_written()) for c in cells], header), blob):
+        if not np.array_equal(self._write([(c.stream, [c.as_written()]) for c in cells], header), blob):
             self._layout = None
             raise StateFormatError("the state layout read does not write back byte for byte")
 
@@ -392,11 +392,7 @@ class SeqState:
         """The state blob of positions [0, n) of `pages` (consecutive from position 0)."""
         if self._layout is None:
             raise StateFormatError("no sequence read yet: the layout is unknown")
-        found = []
-        for s, (first, used) in enumerate(self._spans(pages, n)):
-            parts = [_page_rows(p, s, first, n) for p in used]
-            table = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty((0, 0), np.uint8)
-            found.append((0, table))
+        found = [(0, [_page_rows(p, s, first, n) for p in used]) for s, (first, used) in enumerate(self._spans(pages, n))]
         return self._write(found, self._header)
 
     def _spans(self, pages: list[KvPage], n: int) -> list[tuple[int, list[KvPage]]]:
@@ -429,21 +425,22 @@ class SeqState:
             raise MissingRows(f"sliding-window rows of positions {max(0, n - self.n_swa + 1)}..{first - 1} are gone")
         return first, [p for p in used if p.end > first]
 
-    def _write(self, found: list[tuple[int, np.ndarray]], header: bytes) -> np.ndarray:
-        """A blob of `found`: per section, (stream index, table in the order to write)."""
+    def _write(self, found: list[tuple[int, list[np.ndarray]]], header: bytes) -> np.ndarray:
+        """A blob of `found`: per section, (stream index, its rows in the order to write, as tables
+        one after another: each page's rows, copied straight into place)."""
         layout = self._layout
         assert layout is not None
-        out = np.empty(_HEADER_BYTES + sum(s.size(len(t)) for s, (_, t) in zip(layout, found)), np.uint8)
+        out = np.empty(_HEADER_BYTES + sum(s.size(sum(map(len, t))) for s, (_, t) in zip(layout, found)), np.uint8)
         out[:_HEADER_BYTES] = np.frombuffer(header, np.uint8)
         at = _HEADER_BYTES
-        for section, (stream, table) in zip(layout, found):
-            at = _write_section(out, at, section, stream, table)
+        for section, (stream, tables) in zip(layout, found):
+            at = _write_section(out, at, section, stream, tables)
         assert at == out.size
         return out
 
 
-def _write_section(out: np.ndarray, at: int, section: _Section, stream: int, table: np.ndarray) -> int:
-    n = len(table)
+def _write_section(out: np.ndarray, at: int, section: _Section, stream: int, tables: list[np.ndarray]) -> int:
+    n = sum(map(len, tables))
     counts = np.zeros(1 + section.n_stream, np.uint32)
     counts[0] = section.n_stream
     counts[1 + stream] = n
@@ -451,23 +448,35 @@ def _write_section(out: np.ndarray, at: int, section: _Section, stream: int, tab
     out[at : at + head.size] = head
     at += head.size
     if n:
-        at = _put(out, at, table[:, : section.meta_bytes])
-        at = _put(out, at, np.frombuffer(section.data_head, np.uint8))
+        meta = out[at : at + n * section.meta_bytes].reshape(n, section.meta_bytes)
+        for rows, table in _row_ranges(tables):
+            meta[rows] = table[:, : section.meta_bytes]
+        at = _put(out, at + meta.size, np.frombuffer(section.data_head, np.uint8))
         col = section.meta_bytes
         for block in section.blocks:
             at = _put(out, at, np.frombuffer(block.head, np.uint8))
-            cells = _block_view(table, col, block)
             size = n * block.row_bytes
             dest = out[at : at + size]
-            if block.n_embd:
-                dest.reshape(block.n_embd, n, -1)[...] = cells.transpose(1, 0, 2)
-            else:
-                dest.reshape(n, -1)[...] = cells
+            for rows, table in _row_ranges(tables):
+                cells = _block_view(table, col, block)
+                if block.n_embd:
+                    dest.reshape(block.n_embd, n, -1)[:, rows] = cells.transpose(1, 0, 2)
+                else:
+                    dest.reshape(n, -1)[rows] = cells
             at += size
             col += block.row_bytes
     tail = counts[2 + stream :].view(np.uint8)
     out[at : at + tail.size] = tail
     return at + tail.size
+
+
+def _row_ranges(tables: list[np.ndarray]) -> list[tuple[slice, np.ndarray]]:
+    """Each table with the rows of the whole section it fills."""
+    out, at = [], 0
+    for table in tables:
+        out.append((slice(at, at + len(table)), table))
+        at += len(table)
+    return out
 
 
 @dataclass(frozen=True)
