@@ -245,6 +245,36 @@ def test_n_choices_and_a_cancel_mid_draft(smollm2) -> None:
             assert e.pool.ctx.seq_pos_max(stream.seq) == len(stream.resident) - 1
 
 
+def test_a_cached_prompt_drafts_after_its_first_token_and_its_choices_fork(smollm2) -> None:
+    """The same prompt again, with n=2: the cache holds all of it but its last token and the tree
+    holds its answer. That token is evaluated undrafted, so the prompt's siblings fork from it (a
+    draft there left them waiting for ever); drafts start with the first output token."""
+    make = lambda m: [request(m, PROMPTS[2], max_tokens=30)]  # noqa: E731
+    (off,), _ = served(smollm2, "off", "off", make)
+    with engine(smollm2, speculative="tree", flash_attn="off", **SMALL) as e:
+        run_traced(e, make(e.model))
+        again = request(e.model, PROMPTS[2], max_tokens=30, n=2)
+        outputs = _run_choices(e, again, max_steps=100)
+        assert e.scheduler.speculator.stats["tree"].accepted >= 20, "the answer is drafted from the tree"
+        assert e.pool.live_sessions == 0
+    for choice in outputs.values():
+        assert_like_alone(off[0], choice, SMOLLM2_TOLERANCE)
+
+
+def _run_choices(e, request: Request, max_steps: int) -> dict[int, list]:
+    """Each choice's traced tokens of one request, stepped at most `max_steps` times."""
+    e.scheduler.submit(request)
+    found: dict[int, list] = {}
+    for _ in range(max_steps):
+        for output in e.scheduler.step():
+            assert output.error is None, output.error
+            for delta in output.deltas:
+                found.setdefault(delta.index, []).extend(delta.logprobs)
+        if request.state.finished:
+            return found
+    raise AssertionError(f"the request did not finish in {max_steps} steps")
+
+
 @pytest.mark.parametrize("bug", ["one_too_many", "rows_left"])
 def test_a_wrong_verifier_fails_these_tests(smollm2, monkeypatch: pytest.MonkeyPatch, bug: str) -> None:
     """Accepting one draft token too many, or leaving rejected rows in the stream, breaks equality

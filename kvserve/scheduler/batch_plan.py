@@ -92,7 +92,9 @@ class BatchPlanner:
 
     def _draft(self, decoding: list[Slot], n_prefill: int) -> None:
         """Give decoding slots the speculator's drafts, each within its stream's room (`allocate`'s
-        lookahead), its request's `max_tokens` and the longest sequence; all within the budget."""
+        lookahead), its request's `max_tokens` and the longest sequence; all within the budget. None
+        with a prompt's last token (a prompt cached but for it): the prompt is donated and the
+        request's other choices fork from it as evaluated, before any output (`Scheduler._sample`)."""
         speculator = self.speculator
         assert speculator is not None
         spare = self.config.token_budget - len(decoding) - n_prefill
@@ -106,6 +108,8 @@ class BatchPlanner:
             reserved = self.kv.allocate(choice, 1, speculator.config.draft_max) or 1
             limit = min(reserved - 1, request.max_tokens - choice.n_generated - 1,
                         self.config.max_seq_len - len(choice.tokens), max(spare, 0))
+            if not choice.n_generated:
+                limit = 0
             candidates.append((choice.spec, limit))
         for slot, (draft, drafter) in zip(decoding, speculator.choose(candidates, n_prefill)):
             draft = draft[: max(spare, 0)]
