@@ -205,7 +205,8 @@ def test_request_waiting_past_the_queue_timeout_gets_503(tiny, hold) -> None:
     """The first request takes the one slot and cannot finish (decodes after its first are held);
     the second waits past the queue timeout, and the step after the release fails it."""
     queue_timeout = 0.3
-    with served(tiny("llama"), threads=1, parallel=1, queue_timeout=queue_timeout) as (url, app):
+    # `off`: `auto` times step sizes with decodes of its own while idle, and `after` counts the request's
+    with served(tiny("llama"), threads=1, parallel=1, queue_timeout=queue_timeout, speculative="off") as (url, app):
         engine = app.state.models.only
         held = hold(engine.pool.ctx, after=1)
 
