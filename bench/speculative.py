@@ -26,7 +26,8 @@ Workloads, greedy, 64 tokens:
 Every request but regenerate's starts with its own tag, so none finds an earlier answer in the tree.
 At 1 user, 3 requests one after another; at 4, 8 and 16 users, one round of that many requests at once.
 kvserve off and auto, whose ratios the targets are, run at once and take turns (`measure_paired`),
-twice, started in either order (`serve`): 6 requests each at 1 user, 2 rounds each above. A cell's
+twice, started in either order (`serve`): 6 requests each at 1 user, 2 rounds each above
+(`--rounds N`: N per start above one user, for a cell that 8 requests cannot settle). A cell's
 rate is the median over its requests; each start of the pair is a run, and the report gives each
 cell's off and auto rates by run, their ratios and the ratios' spread. Each kvserve is warmed up
 until `auto` has timed its step prices (it times them while idle after start). The full run is about
@@ -36,7 +37,7 @@ over `server/workload/users`; either writes speculative-partial.* instead of the
 else uses too), and writes speculative[-partial]-hog.*, labelled "under a CPU hog".
 
 python -m bench speculative [--quick] [--cells 'kvserve-*/edit/1' 'llama-server-*/edit/1']
-python -m bench.speculative [--quick] [--cells ...] [--hog]
+python -m bench.speculative [--quick] [--cells ...] [--hog] [--pair kvserve-auto-nodraft] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -307,9 +308,11 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
                     results = asyncio.run(measure_paired([p.url for _, p in up], workload, users))
                 for (server, _), got in zip(up, results):
                     found[server.name][workload, users].append(got)
-            for server, process in up:  # what kvserve measured each ubatch size to cost (seconds by tokens)
+            for server, process in up:  # what kvserve measured each ubatch size to cost, and what it drafted
                 if server.kvserve:
                     info[server.name] = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
+                    metrics = httpx.get(f"{process.url}/metrics", timeout=60).text.splitlines()
+                    info[server.name]["metrics"] = [m for m in metrics if m.startswith("kvserve_spec_")]
     for server in servers:
         if "skipped" in notes[server.name]:
             run.add({"server": server.name, "workload": "-", "users": 0, "decode_tps": 0.0, **notes[server.name]})
@@ -355,10 +358,13 @@ def cpu_hog() -> Iterator[str]:
         process.wait()
 
 
-def main(quick: bool = False, cells: list[str] | None = None, hog: bool = False, pair: str | None = None) -> str:
-    global PAIRED
+def main(quick: bool = False, cells: list[str] | None = None, hog: bool = False, pair: str | None = None,
+         rounds: int | None = None) -> str:
+    global PAIRED, PAIRED_ROUNDS
     if pair:
         PAIRED = (PAIRED[0], pair)
+    if rounds:
+        PAIRED_ROUNDS = (PAIRED_ROUNDS[0], rounds)
     target, draft = part_model("qwen2.5-coder-1.5b"), part_model("qwen2.5-coder-0.5b")
     if draft is None:
         raise SystemExit("the Qwen2.5-Coder-0.5B part packages are not installed (`make install-bench`)")
@@ -471,5 +477,7 @@ if __name__ == "__main__":
     parser.add_argument("--hog", action="store_true",
                         help="run beside a CPU hog (a busy Python loop on the last core); the report says so")
     parser.add_argument("--pair", help="the server measured in turns with kvserve-off (default kvserve-auto)")
+    parser.add_argument("--rounds", type=int, help=f"the pair's rounds per start order above one user "
+                                                   f"(default {PAIRED_ROUNDS[1]}): more requests for a noisy cell")
     args = parser.parse_args()
-    print(main(args.quick, args.cells, args.hog, args.pair))
+    print(main(args.quick, args.cells, args.hog, args.pair, args.rounds))
