@@ -34,10 +34,12 @@ until `auto` has timed its step prices (it times them while idle after start). T
 an hour on 2 cores; `--quick` runs one user only (about 10 minutes), `--cells` picks cells by glob
 over `server/workload/users`; either writes speculative-partial.* instead of the full run's results.
 `--hog` runs a busy Python loop on the last core beside the servers throughout (a box that something
-else uses too), and writes speculative[-partial]-hog.*, labelled "under a CPU hog".
+else uses too), and writes speculative[-partial]-hog.*, labelled "under a CPU hog". On 2 cores it
+wants `--threads 1`: servers at 2 threads beside it decode at about 0.4 tok/s (`off`, 4 December 2026),
+their threads waiting on each other through the busy core.
 
 python -m bench speculative [--quick] [--cells 'kvserve-*/edit/1' 'llama-server-*/edit/1']
-python -m bench.speculative [--quick] [--cells ...] [--hog] [--pair kvserve-auto-nodraft] [--rounds 3]
+python -m bench.speculative [--quick] [--cells ...] [--hog] [--pair kvserve-auto-nodraft] [--rounds 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -359,8 +361,10 @@ def cpu_hog() -> Iterator[str]:
 
 
 def main(quick: bool = False, cells: list[str] | None = None, hog: bool = False, pair: str | None = None,
-         rounds: int | None = None) -> str:
-    global PAIRED, PAIRED_ROUNDS
+         rounds: int | None = None, threads: int | None = None) -> str:
+    global PAIRED, PAIRED_ROUNDS, THREADS
+    if threads:
+        THREADS = threads
     if pair:
         PAIRED = (PAIRED[0], pair)
     if rounds:
@@ -479,5 +483,7 @@ if __name__ == "__main__":
     parser.add_argument("--pair", help="the server measured in turns with kvserve-off (default kvserve-auto)")
     parser.add_argument("--rounds", type=int, help=f"the pair's rounds per start order above one user "
                                                    f"(default {PAIRED_ROUNDS[1]}): more requests for a noisy cell")
+    parser.add_argument("--threads", type=int, help=f"each server's threads (default {THREADS}); beside --hog on 2 "
+                                                    "cores, 1: llama.cpp's threads wait on each other through a busy core")
     args = parser.parse_args()
-    print(main(args.quick, args.cells, args.hog, args.pair, args.rounds))
+    print(main(args.quick, args.cells, args.hog, args.pair, args.rounds, args.threads))
