@@ -392,7 +392,8 @@ class SeqState:
         """The state blob of positions [0, n) of `pages` (consecutive from position 0)."""
         if self._layout is None:
             raise StateFormatError("no sequence read yet: the layout is unknown")
-        found = [(0, [_page_rows(p, s, first, n) for p in used]) for s, (first, used) in enumerate(self._spans(pages, n))]
+        spans = enumerate(self._spans(pages, n))
+        found = [(0, [_page_rows(p, s, first, n) for p in used]) for s, (first, used) in spans]
         return self._write(found, self._header)
 
     def _spans(self, pages: list[KvPage], n: int) -> list[tuple[int, list[KvPage]]]:
@@ -448,8 +449,9 @@ def _write_section(out: np.ndarray, at: int, section: _Section, stream: int, tab
     out[at : at + head.size] = head
     at += head.size
     if n:
+        ranges = _row_ranges(tables)
         meta = out[at : at + n * section.meta_bytes].reshape(n, section.meta_bytes)
-        for rows, table in _row_ranges(tables):
+        for rows, table in ranges:
             meta[rows] = table[:, : section.meta_bytes]
         at = _put(out, at + meta.size, np.frombuffer(section.data_head, np.uint8))
         col = section.meta_bytes
@@ -457,7 +459,7 @@ def _write_section(out: np.ndarray, at: int, section: _Section, stream: int, tab
             at = _put(out, at, np.frombuffer(block.head, np.uint8))
             size = n * block.row_bytes
             dest = out[at : at + size]
-            for rows, table in _row_ranges(tables):
+            for rows, table in ranges:
                 cells = _block_view(table, col, block)
                 if block.n_embd:
                     dest.reshape(block.n_embd, n, -1)[:, rows] = cells.transpose(1, 0, 2)
