@@ -105,6 +105,14 @@ def run_traced(engine: Engine, requests: list[Request], max_steps: int = 10_000)
             for request_id, deltas in _run(engine, requests, max_steps).items()}
 
 
+def run_choices(engine: Engine, request: Request, max_steps: int = 10_000) -> dict[int, list[TokenLogprobs]]:
+    """`run_traced` for one request of several choices: each choice's tokens with their logprobs."""
+    found: dict[int, list[TokenLogprobs]] = {}
+    for delta in _run(engine, [request], max_steps)[request.id]:
+        found.setdefault(delta.index, []).extend(delta.logprobs)
+    return found
+
+
 def _run(engine: Engine, requests: list[Request], max_steps: int) -> dict[str, list[Delta]]:
     for request in requests:
         engine.scheduler.submit(request)

@@ -13,7 +13,7 @@ import pytest
 
 import numpy as np
 
-from conftest import engine, run, run_traced
+from conftest import engine, run, run_choices, run_traced
 from equality import SMOLLM2_TOLERANCE, TINY_TOLERANCE, TOP, assert_like_alone
 from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import StreamPool
@@ -254,25 +254,12 @@ def test_a_cached_prompt_drafts_after_its_first_token_and_its_choices_fork(smoll
     with engine(smollm2, speculative="tree", flash_attn="off", **SMALL) as e:
         run_traced(e, make(e.model))
         again = request(e.model, PROMPTS[2], max_tokens=30, n=2)
-        outputs = _run_choices(e, again, max_steps=100)
+        outputs = run_choices(e, again, max_steps=100)
         assert e.scheduler.speculator.stats["tree"].accepted >= 20, "the answer is drafted from the tree"
         assert e.pool.live_sessions == 0
+    assert sorted(outputs) == [0, 1]
     for choice in outputs.values():
         assert_like_alone(off[0], choice, SMOLLM2_TOLERANCE)
-
-
-def _run_choices(e, request: Request, max_steps: int) -> dict[int, list]:
-    """Each choice's traced tokens of one request, stepped at most `max_steps` times."""
-    e.scheduler.submit(request)
-    found: dict[int, list] = {}
-    for _ in range(max_steps):
-        for output in e.scheduler.step():
-            assert output.error is None, output.error
-            for delta in output.deltas:
-                found.setdefault(delta.index, []).extend(delta.logprobs)
-        if request.state.finished:
-            return found
-    raise AssertionError(f"the request did not finish in {max_steps} steps")
 
 
 @pytest.mark.parametrize("bug", ["one_too_many", "rows_left"])

@@ -107,9 +107,7 @@ class BatchPlanner:
             choice.spec.sequence.seq = choice.session.seq
             reserved = self.kv.allocate(choice, 1, speculator.config.draft_max) or 1
             limit = min(reserved - 1, request.max_tokens - choice.n_generated - 1,
-                        self.config.max_seq_len - len(choice.tokens), max(spare, 0))
-            if not choice.n_generated:
-                limit = 0
+                        self.config.max_seq_len - len(choice.tokens), max(spare, 0)) if choice.n_generated else 0
             candidates.append((choice.spec, limit))
         for slot, (draft, drafter) in zip(decoding, speculator.choose(candidates, n_prefill)):
             draft = draft[: max(spare, 0)]
