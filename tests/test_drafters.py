@@ -353,6 +353,21 @@ def test_a_sequence_whose_drafts_do_not_pay_stops_drafting() -> None:
     assert dropped[Drop.MEASURED] >= 40 and speculator.describe()["dropped_drafts"]["prediction"]["measured"] >= 40
 
 
+def test_what_a_drafter_gained_is_measured_on_timed_steps_against_undrafted_ones() -> None:
+    """/server_info's `by_drafter` rate is a sequence's tokens over the seconds of the timed steps
+    that carried the drafter's drafts (a step with prompt chunks is not timed, and counts in neither
+    rate); `undrafted_tokens_per_second` is one token per timed step without a draft."""
+    speculator, state = _measured()
+    for _ in range(2):
+        speculator.timed([1], 0.1, 0, [(state, False)])
+    speculator.timed([5], 0.2, 0, [(state, True)])
+    speculator.record(state, "prediction", 4, 3)  # 1 + 3 tokens in 0.2 s
+    speculator.record(state, "prediction", 4, 4)  # verified in a step that was not timed
+    info = speculator.describe()
+    assert info["undrafted_tokens_per_second"] == 10.0
+    assert info["by_drafter"]["prediction"] == {"drafts": 2, "drafted": 8, "accepted": 7, "tokens_per_second": 20.0}
+
+
 def test_a_stopped_sequence_drafts_again_once_its_watched_guesses_come_true() -> None:
     speculator, state = _measured()
     for _ in range(20):

@@ -249,6 +249,37 @@ def test_the_cache_view_shows_the_disk_tier(page, tiny, tmp_path: Path) -> None:
         assert re.search(r"0 refused · 0 writes dropped · 0 evicted$", text.inner_text())
 
 
+def test_the_cache_view_shows_what_each_drafter_drafted_and_gained(page, smollm2: Path) -> None:
+    """A prediction the answer follows is drafted (`ngram` drafts it whatever the step costs): the
+    view shows its drafted and accepted tokens as /server_info counts them, and its measured tokens
+    per second against the undrafted steps'."""
+    with serve(smollm2, speculative="ngram", parallel=2, threads=1) as base:
+        body = {"messages": [{"role": "user", "content": "Say: the quick brown fox jumps over the lazy dog"}],
+                "max_tokens": 16, "temperature": 0}
+        text = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=600).json()["choices"][0]["message"]["content"]
+        httpx.post(f"{base}/v1/chat/completions", timeout=600,
+                   json={**body, "prediction": {"type": "content", "content": text}}).raise_for_status()
+        spec = httpx.get(f"{base}/server_info").json()["speculative"]
+        drafted = spec["by_drafter"]["prediction"]
+        assert drafted["accepted"] > 0 and drafted["tokens_per_second"] > 0 and spec["undrafted_tokens_per_second"] > 0
+        page.goto(f"{base}/ui/cache")
+        row = page.locator("tr.drafter[data-drafter=prediction]")
+        row.wait_for()
+        assert row.locator("td.drafted").inner_text() == str(drafted["drafted"])
+        assert row.locator("td.accepted").inner_text().startswith(f"{drafted['accepted']} (")
+        assert float(row.locator("td.speed").inner_text().removesuffix(" tok/s")) == drafted["tokens_per_second"]
+        gained = drafted["tokens_per_second"] - spec["undrafted_tokens_per_second"]
+        assert row.locator("td.gained").inner_text() == f"{'+' if gained >= 0 else '−'}{abs(gained):.2f} tok/s"
+        assert page.locator("#spec-text").inner_text().startswith("--speculative ngram, up to 16 tokens a draft")
+        assert "1: " in page.locator("#spec-prices").inner_text()
+
+
+def test_the_cache_view_says_when_speculation_is_off(page, url: str) -> None:
+    page.goto(f"{url}/ui/cache")
+    page.locator("#spec-text", has_text="off (--speculative off").wait_for()
+    assert page.locator("#spec-table").is_hidden()
+
+
 # --- --api-key and --no-ui -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

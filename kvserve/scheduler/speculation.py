@@ -35,7 +35,9 @@ come true by as many tokens as a draft would have needed; a sequence that drafts
 one draft in `PAYOFF_PROBE` to time a step without. So whatever the cost table says, a sequence
 runs below `off` for a few steps at a time, never for long. (A step's seconds are everyone's: a
 draft that pays its own sequence may still slow the others more than it gains; that part is the
-cost table's to weigh.) Each proposal `auto` drafts none of is counted by why (`Drop`).
+cost table's to weigh.) Each proposal `auto` drafts none of is counted by why (`Drop`). What
+drafting gained is shown as measured, per drafter: a sequence's tokens per second over the steps
+that carried its drafts, against those of the steps that carried none (`Throughput`; `describe`).
 
 A draft model (`--draft-model`, `DraftModel`, mode `draft` only) drafts, in one batch, every
 sequence that has no `prediction` to draft from, to `--draft-max`. `auto` does not ask it: on 2 CPU
@@ -111,6 +113,23 @@ PAYOFF_PROBE = 32
 
 
 @dataclass
+class Throughput:
+    """Tokens sequences took from timed steps (decodes and drafts only), and those steps' seconds:
+    each step counted once per sequence, so the rate is one sequence's."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    @property
+    def per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+@dataclass
 class DrafterStats:
     drafted: int = 0
     accepted: int = 0
@@ -121,6 +140,8 @@ class DrafterStats:
     trials: int = 0
     # proposals `auto` drafted none of, by why (every reason from the start, at 0)
     dropped: dict[Drop, int] = field(default_factory=lambda: dict.fromkeys(Drop, 0))
+    # its verifications in timed steps: the tokens each gave its sequence (the correction among them)
+    timed: Throughput = field(default_factory=Throughput)
 
 
 @dataclass
@@ -266,6 +287,7 @@ class Speculator:
         kinds: list[DrafterKind] = [*self.drafters, *([self.draft_model] if self.draft_model else [])]
         self.by_name = {kind.name: kind for kind in kinds}
         self.stats = {name: DrafterStats() for name in self.by_name}  # keys fixed here: metrics read them live
+        self.undrafted = Throughput()  # a decoding sequence's timed steps without a draft: one token each
 
     def describe(self) -> dict:
         """What /server_info says of speculation: what drafts, and the live step prices it drafts by."""
@@ -277,6 +299,10 @@ class Speculator:
                 "ubatch_to_time": sorted(self.cost.untimed),
                 "seconds_per_key": self.cost.per_key,
                 "dropped_drafts": {name: {d.value: k for d, k in s.dropped.items()} for name, s in self.stats.items()},
+                "by_drafter": {name: {"drafts": s.drafts, "drafted": s.drafted, "accepted": s.accepted,
+                                      "tokens_per_second": _rounded(s.timed.per_second)}
+                               for name, s in self.stats.items()},
+                "undrafted_tokens_per_second": _rounded(self.undrafted.per_second),
                 **(model.describe() if model else {})}
 
     def global_rate(self, drafter: str) -> float:
@@ -290,6 +316,8 @@ class Speculator:
         self.cost.observe(sizes, seconds, keys)
         for state, drafted in steps:
             state.payoff.timed(seconds, drafted)
+            if not drafted:
+                self.undrafted.add(1, seconds)
 
     def choose(self, candidates: list[tuple[SpecState, int]], n_other: int) -> list[tuple[list[int], str]]:
         """Drafts for `candidates` (a state and the most draft tokens its stream, limits and the
@@ -401,6 +429,8 @@ class Speculator:
         stats.drafted += drafted
         stats.accepted += accepted
         self._learn(state, drafter, accepted, accepted < drafted)
+        if state.payoff.pending is not None:  # its step was timed
+            stats.timed.add(1 + accepted, state.payoff.pending)
         state.payoff.verified(1 + accepted)
         if drafter == PredictionDrafter.name:
             state.prediction_accepted += accepted
@@ -432,6 +462,10 @@ class Speculator:
         stats.trials += right + wrong
         stats.right += right
         state.evidence.setdefault(drafter, Evidence()).add(right, wrong, fade)
+
+
+def _rounded(rate: float | None) -> float | None:
+    return None if rate is None else round(rate, 2)
 
 
 def _useful_length(rate: float, n: int) -> int:

@@ -110,6 +110,34 @@ function showChains(view) {
     el("td", {}, formatBytes(c.bytes ?? 0)))));
 }
 
+// What speculation drafted and what it gained (/server_info's `speculative`): per drafter, a
+// sequence's tokens per second over steps that carried its drafts against steps that carried none.
+function showSpeculation(spec) {
+  const on = spec.enabled;
+  const undrafted = spec.undrafted_tokens_per_second;
+  $("spec-text").textContent = on
+    ? `--speculative ${spec.mode}, up to ${spec.draft_max} tokens a draft · a sequence's steps without a draft: `
+      + `${undrafted === null ? "none timed yet" : `${undrafted} tok/s`}`
+    : spec.mode === "off" ? "off (--speculative off; auto drafts where it measures a gain)"
+      : `off for this model: its KV rows cannot be cut back (--speculative ${spec.mode})`;
+  $("spec-table").hidden = !on;
+  const rate = (x) => (x === null ? "–" : `${x} tok/s`);
+  const gained = (x) => (x === null || undrafted === null ? "–" : `${x >= undrafted ? "+" : "−"}${Math.abs(x - undrafted).toFixed(2)} tok/s`);
+  $("drafters").replaceChildren(...Object.entries(spec.by_drafter ?? {}).map(([name, d]) => {
+    const dropped = spec.dropped_drafts?.[name] ?? {};
+    const share = d.drafted ? ` (${((100 * d.accepted) / d.drafted).toFixed(0)}%)` : "";
+    return el("tr", { class: "drafter", dataset: { drafter: name } },
+      el("td", {}, name), el("td", { class: "drafted" }, String(d.drafted)),
+      el("td", { class: "accepted" }, `${d.accepted}${share}`), el("td", { class: "speed" }, rate(d.tokens_per_second)),
+      el("td", { class: "gained" }, gained(d.tokens_per_second)),
+      el("td", { class: "dropped" }, `${dropped.unlikely ?? 0} · ${dropped.priced ?? 0} · ${dropped.measured ?? 0}`));
+  }));
+  const prices = Object.entries(spec.ubatch_seconds ?? {}).map(
+    ([n, seconds]) => `${n}: ${Math.round(1000 * seconds)} ms (${spec.ubatch_samples?.[n] ?? 0})`);
+  $("spec-prices").textContent = on && prices.length
+    ? `step prices by ubatch tokens, with the served steps behind each: ${prices.join(" · ")}` : "";
+}
+
 function remember(metrics) {
   const now = Date.now();
   const sample = { at: now };
@@ -149,11 +177,11 @@ async function refresh() {
     await pickModel();
     if (!$("model").hidden && !model) throw new Error("no model is loaded");
     const query = model ? `?model=${encodeURIComponent(model)}` : "";
-    const [cache, metrics] = await Promise.all([api(`/v1/cache${query}`), api("/metrics")]);
-    if (!cache.ok) throw new Error(await errorText(cache));
-    if (!metrics.ok) throw new Error(await errorText(metrics));
+    const [cache, metrics, server] = await Promise.all([api(`/v1/cache${query}`), api("/metrics"), api(`/server_info${query}`)]);
+    for (const response of [cache, metrics, server]) if (!response.ok) throw new Error(await errorText(response));
     const view = await cache.json();
     const text = await metrics.text();
+    const info = await server.json();
     const read = performance.now();
     remember(parseMetrics(text, model));
     showStore(view);
@@ -161,6 +189,7 @@ async function refresh() {
     showStreams(view.pool);
     showChains(view);
     showRates();
+    if (info.speculative) showSpeculation(info.speculative);
     const drawn = performance.now();
     $("updated").textContent = `updated ${new Date().toLocaleTimeString()}: read in ${Math.round(read - asked)} ms, `
       + `drawn in ${Math.round(drawn - read)} ms`;
