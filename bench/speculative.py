@@ -39,7 +39,7 @@ wants `--threads 1`: servers at 2 threads beside it decode at about 0.4 tok/s (`
 their threads waiting on each other through the busy core.
 
 python -m bench speculative [--quick] [--cells 'kvserve-*/edit/1' 'llama-server-*/edit/1']
-python -m bench.speculative [--quick] [--cells ...] [--hog] [--pair kvserve-auto-nodraft] [--rounds 3] [--threads 1]
+python -m bench.speculative [--quick] [--cells ...] [--hog] [--pair kvserve-auto-nodraft|kvserve-off-twin] [--rounds 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ CTX = 4096  # per sequence
 # this many rounds at 1 user (a request each) and above (that many requests at once each).
 PAIRED = ("kvserve-off", "kvserve-auto")  # `--pair kvserve-auto-nodraft`: `auto` as a default serves it
 PAIRED_ROUNDS = (3, 1)  # in each of the two orders the pair is started in (`serve`)
+TWIN = "kvserve-off-twin"  # `--pair kvserve-off-twin`: a second `off`, the pair's noise floor
 
 CODE = '''def summarize(values):
     total = 0
@@ -143,6 +144,8 @@ def servers(target: Path, draft: Path | None) -> list[Server]:
                        fallback=("--speculative", "auto") if draft else None, regenerate_users=USERS))
     if draft:  # what the draft model adds to auto, or takes away
         runs.append(Server("kvserve-auto-nodraft", ("--speculative", "auto"), KVSERVE_WORKLOADS, regenerate_users=USERS))
+    if TWIN in PAIRED:  # off against off: the spread a pair shows where the two servers do the same
+        runs.append(Server(TWIN, ("--speculative", "off"), KVSERVE_WORKLOADS, regenerate_users=USERS))
     if llama_server.binary().is_file():
         draft_flags = ("-md", str(draft), "--spec-draft-threads", str(THREADS),
                        "--spec-draft-threads-batch", str(THREADS)) if draft else ()
@@ -310,11 +313,11 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
                     results = asyncio.run(measure_paired([p.url for _, p in up], workload, users))
                 for (server, _), got in zip(up, results):
                     found[server.name][workload, users].append(got)
-            for server, process in up:  # what kvserve measured each ubatch size to cost, and what it drafted
+            for server, process in up:  # what kvserve measured each ubatch size to cost, what it drafted, where its step time went
                 if server.kvserve:
                     info[server.name] = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
                     metrics = httpx.get(f"{process.url}/metrics", timeout=60).text.splitlines()
-                    info[server.name]["metrics"] = [m for m in metrics if m.startswith("kvserve_spec_")]
+                    info[server.name]["metrics"] = [m for m in metrics if m.startswith(("kvserve_spec_", "kvserve_engine_"))]
     for server in servers:
         if "skipped" in notes[server.name]:
             run.add({"server": server.name, "workload": "-", "users": 0, "decode_tps": 0.0, **notes[server.name]})
@@ -480,7 +483,8 @@ if __name__ == "__main__":
                         help="only the cells whose server/workload/users matches one, e.g. 'kvserve-*/edit/1'")
     parser.add_argument("--hog", action="store_true",
                         help="run beside a CPU hog (a busy Python loop on the last core); the report says so")
-    parser.add_argument("--pair", help="the server measured in turns with kvserve-off (default kvserve-auto)")
+    parser.add_argument("--pair", help=f"the server measured in turns with kvserve-off (default kvserve-auto; {TWIN}: "
+                                       "another off, what the pair measures where nothing differs)")
     parser.add_argument("--rounds", type=int, help=f"the pair's rounds per start order above one user "
                                                    f"(default {PAIRED_ROUNDS[1]}): more requests for a noisy cell")
     parser.add_argument("--threads", type=int, help=f"each server's threads (default {THREADS}); beside --hog on 2 "
