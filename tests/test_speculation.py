@@ -431,4 +431,4 @@ def test_auto_learns_the_step_prices_while_it_serves(smollm2) -> None:
         info = e.scheduler.speculator.describe()
     learnt = [n for n, k in info["ubatch_samples"].items() if k >= LEARNT]
     assert learnt and any(info["ubatch_seconds"][n] != round(started.get(int(n), -1), 5) for n in learnt), info
-    assert set(info["dropped_drafts"]["ngram"]) == {"unlikely", "priced", "measured", "step"}
+    assert set(info["dropped_drafts"]["ngram"]) == {"unlikely", "priced", "measured"}

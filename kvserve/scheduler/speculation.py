@@ -32,16 +32,12 @@ Whether drafting paid is measured too, per sequence (`Payoff`): the tokens per s
 drafted steps against its undrafted ones', both timed. Where drafting did not pay over its last
 steps, `auto` drafts nothing more for it (its proposals are watched) until the proposals it watches
 come true by as many tokens as a draft would have needed; a sequence that drafts every step skips
-one draft in `PAYOFF_PROBE` to time a step without. A step's seconds are everyone's, though: a
-draft that pays its own sequence may slow the step's others by more than it gains (on a core the
-machine shares, the cost table's prices go wrong). So the same is measured per step too, for each
-count of decoding sequences above one (`StepPayoff`): every sequence's tokens per second in steps
-that carried drafts against steps that carried none; where drafts did not pay, no sequence drafts
-in a step of that count for `STEP_HOLD` of them. So whatever the cost table says, `auto` runs below
-`off` for a few steps at a time, never for long. Each proposal `auto` drafts none of is counted by
-why (`Drop`). What drafting gained is shown as measured, per drafter: a sequence's tokens per second
-over the steps that carried its drafts, against those of the steps that carried none (`Throughput`;
-`describe`).
+one draft in `PAYOFF_PROBE` to time a step without. So whatever the cost table says, a sequence
+runs below `off` for a few steps at a time, never for long. (A step's seconds are everyone's: a
+draft that pays its own sequence may still slow the others more than it gains; that part is the
+cost table's to weigh.) Each proposal `auto` drafts none of is counted by why (`Drop`). What
+drafting gained is shown as measured, per drafter: a sequence's tokens per second over the steps
+that carried its drafts, against those of the steps that carried none (`Throughput`; `describe`).
 
 A draft model (`--draft-model`, `DraftModel`, mode `draft` only) drafts, in one batch, every
 sequence that has no `prediction` to draft from, to `--draft-max`. `auto` does not ask it: on 2 CPU
@@ -54,8 +50,7 @@ Invariants:
   a sliding-window model drafts, and each cut asks its stream (`KvManager.commit`);
 - the step's tokens stay within the token budget;
 - in `auto`, a sequence whose `Payoff` says drafting did not pay, or that times a step without a
-  draft, drafts nothing, nor does any sequence in a step whose count of decoding sequences its
-  `StepPayoff` holds or probes; no step drafts whose ubatch sizes, or those of the step without its
+  draft, drafts nothing; no step drafts whose ubatch sizes, or those of the step without its
   drafts, are not yet priced (`UbatchCost.priced`);
 - the drafters' stats (`stats`) have one entry per drafter, set at start: metrics read them live.
 """
@@ -64,6 +59,8 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -71,7 +68,6 @@ from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import (Drafter, DrafterKind, NgramDrafter, PredictionDrafter, RecentDrafter,
                                         Sequence, TreeDrafter)
-from kvserve.scheduler.payoff import Payoff, StepPayoff, Throughput
 from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES, UbatchCost, attended_keys
 
 if TYPE_CHECKING:
@@ -92,7 +88,6 @@ class Drop(str, enum.Enum):
     UNLIKELY = "unlikely"  # no token of it likely enough (`MIN_GAIN`), or its drafter not yet watched
     PRICED = "priced"  # the cost table prices the step faster without it
     MEASURED = "measured"  # this sequence's drafted steps were slower, in tokens per second, than its others
-    STEP = "step"  # steps of this many decoding sequences gave fewer tokens per second with drafts than without
 
 
 # A draft token less likely than this to be accepted is never drafted, whatever the priced cost says:
@@ -108,6 +103,30 @@ EVIDENCE_DECAY = 0.5
 # holds this many right tokens (faded): prose repeats a word or two of its prompt, an edit's answer
 # a run of lines.
 WATCH_RIGHT = 2.0
+# The per-sequence check that drafting pays (`Payoff`): the drafted steps it weighs (it decides
+# once it has PAYOFF_MIN of them) and the undrafted ones it weighs them against; a sequence that
+# drafts every step skips one draft after each PAYOFF_PROBE drafted steps, to time a step without.
+PAYOFF_DRAFTED = 8
+PAYOFF_PLAIN = 4
+PAYOFF_MIN = 3
+PAYOFF_PROBE = 32
+
+
+@dataclass
+class Throughput:
+    """Tokens sequences took from timed steps (decodes and drafts only), and those steps' seconds:
+    each step counted once per sequence, so the rate is one sequence's."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    @property
+    def per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
 
 
 @dataclass
@@ -156,6 +175,62 @@ class Proposal:
 
 
 NO_PROPOSAL = Proposal([], "", 0.0)
+
+
+@dataclass
+class Payoff:
+    """Whether drafting pays one sequence, measured rather than priced: the mean tokens of its last
+    drafted steps over their median seconds, against one token over the median seconds of its last
+    undrafted ones (each step's seconds its `llama_decode`'s; steps with prompt chunks are not
+    timed). Tokens are counted, so only the seconds need a median against a slow step. Where
+    drafting did not pay, the sequence stops (`needed`: the accepted tokens a draft would have
+    needed) until the proposals it then watches come true by that many tokens on average."""
+
+    drafted: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PAYOFF_DRAFTED))
+    plain: deque[float] = field(default_factory=lambda: deque(maxlen=PAYOFF_PLAIN))
+    watched: deque[int] = field(default_factory=lambda: deque(maxlen=PAYOFF_MIN))  # right tokens, while stopped
+    needed: float | None = None
+    since_plain: int = 0  # drafted steps since its last undrafted one
+    pending: float | None = None  # the seconds of the step whose draft is being verified
+
+    @property
+    def probing(self) -> bool:
+        """It drafts none this step, to time a step without a draft."""
+        return len(self.plain) < PAYOFF_MIN <= len(self.drafted) or self.since_plain >= PAYOFF_PROBE
+
+    def may_draft(self) -> bool:
+        return self.needed is None and not self.probing
+
+    def timed(self, seconds: float, drafted: bool) -> None:
+        if drafted:
+            self.pending = seconds
+        else:
+            self.plain.append(seconds)
+            self.since_plain = 0
+
+    def verified(self, tokens: int) -> None:
+        """The draft of the step last timed gave `tokens` tokens (the correction among them)."""
+        if self.pending is None:
+            return
+        self.drafted.append((tokens, self.pending))
+        self.pending = None
+        self.since_plain += 1
+        if len(self.drafted) < PAYOFF_MIN or len(self.plain) < PAYOFF_MIN:
+            return
+        tokens_per_step = statistics.mean(n for n, _ in self.drafted)
+        slower = statistics.median(t for _, t in self.drafted) / statistics.median(self.plain)
+        if tokens_per_step < slower:
+            self.needed = slower - 1
+            self.drafted.clear()
+            self.watched.clear()
+
+    def settled(self, right: int) -> None:
+        """A watched proposal came true for `right` tokens, then departed from the output or ended."""
+        if self.needed is None:
+            return
+        self.watched.append(right)
+        if len(self.watched) == PAYOFF_MIN and statistics.mean(self.watched) >= self.needed:
+            self.needed = None
 
 
 @dataclass
@@ -213,8 +288,6 @@ class Speculator:
         self.by_name = {kind.name: kind for kind in kinds}
         self.stats = {name: DrafterStats() for name in self.by_name}  # keys fixed here: metrics read them live
         self.undrafted = Throughput()  # a decoding sequence's timed steps without a draft: one token each
-        self.step_payoffs: dict[int, StepPayoff] = {}  # by the count of decoding sequences
-        self._verifying: tuple[int, float, int] | None = None  # a timed drafted step: its count, seconds, tokens so far
 
     def describe(self) -> dict:
         """What /server_info says of speculation: what drafts, and the live step prices it drafts by."""
@@ -230,7 +303,6 @@ class Speculator:
                                       "tokens_per_second": _rounded(s.timed.per_second)}
                                for name, s in self.stats.items()},
                 "undrafted_tokens_per_second": _rounded(self.undrafted.per_second),
-                "steps_held": {str(n): p.held for n, p in sorted(self.step_payoffs.items()) if p.held},
                 **(model.describe() if model else {})}
 
     def global_rate(self, drafter: str) -> float:
@@ -242,27 +314,10 @@ class Speculator:
         `seconds`: a price for the cost table, and for each decoding sequence (its state, and whether
         it drafted) a step to weigh whether drafting pays it."""
         self.cost.observe(sizes, seconds, keys)
-        self._close_step()
         for state, drafted in steps:
             state.payoff.timed(seconds, drafted)
             if not drafted:
                 self.undrafted.add(1, seconds)
-        plain = sum(not drafted for _, drafted in steps)
-        if plain == len(steps) and steps:
-            self._step_payoff(len(steps)).stepped(plain, seconds, drafted=False)
-        elif steps:  # its tokens are known once its drafts are verified (`record`)
-            self._verifying = (len(steps), seconds, plain)
-
-    def _step_payoff(self, n_decoding: int) -> StepPayoff:
-        """Steps of one sequence have none: its `Payoff` measures the same, and resumes sooner."""
-        return self.step_payoffs.setdefault(n_decoding, StepPayoff()) if n_decoding > 1 else StepPayoff()
-
-    def _close_step(self) -> None:
-        """The timed step whose drafts were verified since counts for its count of sequences."""
-        if self._verifying is not None:
-            n_decoding, seconds, tokens = self._verifying
-            self._step_payoff(n_decoding).stepped(tokens, seconds, drafted=True)
-            self._verifying = None
 
     def choose(self, candidates: list[tuple[SpecState, int]], n_other: int) -> list[tuple[list[int], str]]:
         """Drafts for `candidates` (a state and the most draft tokens its stream, limits and the
@@ -270,7 +325,6 @@ class Speculator:
         tokens. `auto` keeps of each draft the length that gives the step the most expected tokens
         per second (`_best_lengths`), none where drafting was measured not to pay this sequence
         (`Payoff`); a proposal it keeps none of is watched instead (`SpecState.watch`)."""
-        self._close_step()
         for state, _ in candidates:
             self._settle_watch(state)
         proposals = [self._propose(state, min(limit, self.config.draft_max)) for state, limit in candidates]
@@ -278,8 +332,7 @@ class Speculator:
             self._draft_with_model(candidates, proposals)
         if self.config.mode is not SpecMode.AUTO:
             return [(p.draft, p.drafter) for p in proposals]  # a fixed drafter drafts all it can
-        step = self._step_payoff(len(candidates))
-        held = [not (step.may_draft() and state.payoff.may_draft()) for state, _ in candidates]
+        held = [not state.payoff.may_draft() for state, _ in candidates]
         weighed = [replace(p, rate=0.0) if hold else p for p, hold in zip(proposals, held)]
         seqs = [state.sequence.seq for state, _ in candidates]
         n_past = [len(state.sequence.tokens) - 1 for state, _ in candidates]  # the last token is decoded now
@@ -290,17 +343,15 @@ class Speculator:
             elif p.draft:
                 if state.watch is None:
                     state.watch = Watch(p.drafter, p.draft, len(state.sequence.tokens))
-                self._count_drop(state, p, step)
+                self._count_drop(state, p)
         return [(p.draft[:n], p.drafter) for p, n in zip(proposals, keep)]
 
-    def _count_drop(self, state: SpecState, p: Proposal, step: StepPayoff) -> None:
+    def _count_drop(self, state: SpecState, p: Proposal) -> None:
         if _useful_length(p.rate, len(p.draft)) == 0:
             reason = Drop.UNLIKELY
         elif state.payoff.needed is not None:
             reason = Drop.MEASURED
-        elif step.held:
-            reason = Drop.STEP
-        elif state.payoff.probing or step.probing:
+        elif state.payoff.probing:
             return  # timing a step without a draft: no judgement of this one
         else:
             reason = Drop.PRICED
@@ -380,9 +431,6 @@ class Speculator:
         self._learn(state, drafter, accepted, accepted < drafted)
         if state.payoff.pending is not None:  # its step was timed
             stats.timed.add(1 + accepted, state.payoff.pending)
-            if self._verifying is not None:
-                n_decoding, seconds, tokens = self._verifying
-                self._verifying = (n_decoding, seconds, tokens + 1 + accepted)
         state.payoff.verified(1 + accepted)
         if drafter == PredictionDrafter.name:
             state.prediction_accepted += accepted

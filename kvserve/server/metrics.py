@@ -120,8 +120,7 @@ class _EngineCollector(Collector):
         dropped = CounterMetricFamily(
             "kvserve_spec_dropped_drafts", "Steps where auto drafted none of a sequence's proposal, by drafter and "
             "why: unlikely (to be accepted), priced (the cost table prices the step faster without it), measured (the "
-            "sequence's drafted steps gave fewer tokens per second than its others), step (steps of as many sequences "
-            "gave fewer tokens per second with drafts than without)", labels=["drafter", "reason"])
+            "sequence's drafted steps gave fewer tokens per second than its others)", labels=["drafter", "reason"])
         for name, stats in queue.scheduler.speculator.stats.items():  # read live: its keys are fixed at start
             for reason, n in stats.dropped.items():
                 dropped.add_metric([name, reason.value], n)

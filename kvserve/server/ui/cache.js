@@ -130,7 +130,7 @@ function showSpeculation(spec) {
       el("td", {}, name), el("td", { class: "drafted" }, String(d.drafted)),
       el("td", { class: "accepted" }, `${d.accepted}${share}`), el("td", { class: "speed" }, rate(d.tokens_per_second)),
       el("td", { class: "gained" }, gained(d.tokens_per_second)),
-      el("td", { class: "dropped" }, ["unlikely", "priced", "measured", "step"].map((why) => dropped[why] ?? 0).join(" · ")));
+      el("td", { class: "dropped" }, `${dropped.unlikely ?? 0} · ${dropped.priced ?? 0} · ${dropped.measured ?? 0}`));
   }));
   const prices = Object.entries(spec.ubatch_seconds ?? {}).map(
     ([n, seconds]) => `${n}: ${Math.round(1000 * seconds)} ms (${spec.ubatch_samples?.[n] ?? 0})`);
