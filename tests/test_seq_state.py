@@ -89,6 +89,37 @@ def test_pages_restore_the_rows_recomputing_gives(runner: Runner) -> None:
         runner.ctx.seq_rm(1)
 
 
+def _through_one_buffer(state: SeqState, pages: list[KvPage], stop: int | None = None) -> Iterator[KvPage | None]:
+    """`pages` as a disk reader gives them: each read back from its bytes into one buffer, which the
+    next page overwrites (so a page kept past its turn would hold another's rows); None at `stop`."""
+    buffer = np.empty(0, np.uint8)
+    for i, page in enumerate(pages):
+        if i == stop:
+            yield None
+            return
+        data = np.concatenate(state.page_bytes(page))
+        if buffer.size < data.size:
+            buffer = np.empty(data.size, np.uint8)
+        buffer[: data.size] = data
+        yield state.page_from_bytes(buffer[: data.size], page.start, page.n_rows)
+        buffer[:] = 0xA5
+
+
+def test_a_streamed_restore_gives_the_rows_recomputing_gives(runner: Runner) -> None:
+    """Pages taken one at a time through a reused buffer (the disk tier's way) restore what `attach`
+    of the same pages does; a None stops it before anything is loaded, and says how many it took."""
+    tokens = _tokens(100, seed=4)
+    runner.eval(0, tokens[:96])
+    pages = runner.state.donate(0, PAGE)
+    for n in (95, 96):  # the last page cut short (a prompt's last token is evaluated), and whole
+        assert runner.state.attach_streamed(1, _through_one_buffer(runner.state, pages), n) == 6
+        assert (runner.ctx.seq_pos_min(1), runner.ctx.seq_pos_max(1)) == (0, n - 1)
+        np.testing.assert_array_equal(runner.next_logits(1, tokens, n), runner.recomputed(2, tokens, n))
+        runner.ctx.seq_rm(1)
+    assert runner.state.attach_streamed(1, _through_one_buffer(runner.state, pages, stop=4), 96) == 4
+    assert runner.ctx.seq_pos_max(1) == -1
+
+
 def test_a_prefix_from_two_donors(runner: Runner) -> None:
     """A's pages where A and B share tokens, then B's own: equal to recomputing B."""
     a = _tokens(64, seed=2)

@@ -23,7 +23,7 @@ class NoCache(PrefixCache):
         return False  # a running prefill leaves nothing here
 
     def insert(self, session: Session, tokens: list[int], preview: str = "",
-               kind: MarkKind = MarkKind.CONVERSATION) -> None:
+               kind: MarkKind = MarkKind.CONVERSATION, ending: bool = False) -> None:
         return None
 
     def unlock(self, session: Session) -> None:

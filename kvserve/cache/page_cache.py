@@ -26,17 +26,25 @@ Invariants:
 With a disk tier (`Tiers.disk`), every page donated is also written behind to disk, named by its
 key (page_key.py), those the host budget cannot take included, and a window that fills a page later
 rewrites it there. A prompt
-matches the tree's pages, then the run of keys that follow them on disk; attach reads those files
-(each checked by the store, then against this context's layout: a page that fails either is
-discarded, never attached) into the tree and the host store, as if donated, and attaches them all,
-those the host budget cannot take too (they stay on disk only).
+matches the tree's pages, then the run of keys that follow them on disk; each file is checked by the
+store, then against this context's layout (a page that fails either is discarded and ends the run,
+never attached). Attach reads the run straight into the session's stream, through a few reused
+buffers, with reads running ahead on two threads; the session's last insert, as it ends, reads the
+pages into the tree and the host store, as if donated (those the host budget cannot take stay on disk
+only), so nothing read from disk is copied into host memory before the first token. A sliding-window
+model reads them into the tree and the host store at attach, its window checked first.
 Pages evicted from host memory stay on disk. Each page entering or leaving host memory is an event
 (`Tiers.events`); the disk store announces its own.
 """
 
 from __future__ import annotations
 
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
 
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
@@ -49,6 +57,8 @@ from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.context import Context
 from kvserve.cache.tiers import Tiers
 from kvserve.llama.seq_state import KvPage, SeqState, StateFormatError
+
+_READ_AHEAD = 4  # pages read from disk ahead of the one being restored
 
 
 @dataclass(eq=False)
@@ -98,6 +108,8 @@ class PageCache(PrefixCache):
         self._hit_tokens = 0
         self._evicted_pages = 0
         self._next_chain = 1
+        self._buffers = [np.empty(0, np.uint8)] * _READ_AHEAD  # pages read from disk pass through them
+        self._reader = ThreadPoolExecutor(2, thread_name_prefix="kvserve-disk-read")
         self.windows_filled = 0  # windows read alone into pages already cached (PARTIAL_ONLY)
         self.tiers = tiers
         self.disk_refused = 0  # pages read from disk that did not fit this context's layout
@@ -188,6 +200,8 @@ class PageCache(PrefixCache):
         self.check_attachable(session, key)
         path, on_disk = self._match(key)
         self._queried_tokens += len(key.tokens)
+        if on_disk and not self.rows.n_swa:
+            return self._attach_streamed(session, key, path, on_disk)
         unkept: list[KvPage] = []  # pages read from disk that host memory could not take
         if on_disk:
             self._lock(session, path)  # keep them while storing the pages read evicts
@@ -201,6 +215,70 @@ class PageCache(PrefixCache):
         if not n:
             return []
         self.rows.attach(session.seq, pages, n)
+        return self._attached(session, key, path, n)
+
+    def _attach_streamed(self, session: Session, key: PrefixKey, path: list[PageNode], keys: list[bytes]) -> list[int]:
+        """Attach `path`'s pages and then the run of `keys` read from disk, each file read into one
+        reused buffer and written straight into the state blob: nothing read from disk is copied
+        into host memory before the first token (the session's last insert, as it ends, brings them
+        there). A file that fails a check ends the run before it."""
+        pages = [self.store.get(node) for node in path]
+        n_pages = len(path) + len(keys)
+        while n_pages > len(path):
+            n = self._rows_of(key, n_pages)
+            stream = self._disk_pages(pages, keys, n_pages)
+            try:
+                taken = self.rows.attach_streamed(session.seq, stream, n)
+            finally:
+                stream.close()
+            if taken == n_pages:
+                return self._attached(session, key, path, n)
+            n_pages = taken
+        n = self._rows_of(key, len(path))
+        if not n:
+            return []
+        self.rows.attach(session.seq, pages, n)
+        return self._attached(session, key, path, n)
+
+    def _disk_pages(self, pages: list[KvPage], keys: list[bytes], n_pages: int) -> Iterator[KvPage | None]:
+        """`pages`, then those of `keys` read from disk, up to `n_pages` in all; None for the first
+        that is missing or refused (its file removed). Reads run ahead on two threads, each page into
+        one of a few buffers, reused once the page before it was taken."""
+        disk = self.tiers.disk
+        assert disk is not None
+        yield from pages
+        keys = keys[: n_pages - len(pages)]
+        buffers = self._read_buffers(max((e.nbytes for k in keys if (e := disk.entry(k))), default=0))
+        ahead: collections.deque[Future[bytes | memoryview | None]] = collections.deque()
+
+        def read(i: int) -> bytes | memoryview | None:
+            return disk.get(keys[i], into=buffers[i % len(buffers)])
+
+        try:
+            ahead.extend(self._reader.submit(read, i) for i in range(min(len(buffers), len(keys))))
+            for i, page_key_ in enumerate(keys):
+                data, page = ahead.popleft().result(), None
+                try:
+                    if data is not None:
+                        page = self.rows.page_from_bytes(data, (len(pages) + i) * self.page_rows, self.page_rows)
+                except StateFormatError:
+                    disk.discard(page_key_)
+                    self.disk_refused += 1
+                yield page
+                if page is None:
+                    return
+                if i + len(buffers) < len(keys):  # the page of buffer i was taken: read the next into it
+                    ahead.append(self._reader.submit(read, i + len(buffers)))
+        finally:
+            wait(ahead)  # no read may still write into a buffer the next attach reuses
+
+    def _read_buffers(self, nbytes: int) -> list[np.ndarray]:
+        """The buffers pages read from disk pass through, grown to `nbytes` each."""
+        if self._buffers[0].nbytes < nbytes:
+            self._buffers = [np.empty(nbytes, np.uint8) for _ in self._buffers]
+        return self._buffers
+
+    def _attached(self, session: Session, key: PrefixKey, path: list[PageNode], n: int) -> list[int]:
         self._lock(session, path)
         if path:
             self.chains[path[-1].chain_id].hits += 1
@@ -226,34 +304,50 @@ class PageCache(PrefixCache):
     # -- donation -----------------------------------------------------------------------------------
 
     def insert(self, session: Session, tokens: list[int], preview: str = "",
-               kind: MarkKind = MarkKind.CONVERSATION) -> Chain | None:
+               kind: MarkKind = MarkKind.CONVERSATION, ending: bool = False) -> Chain | None:
         """Donate every full page of `tokens`, the session's evaluated history (or a prefix of it),
         under the session's namespace.
 
         Pages already cached are not stored twice: only the rows of the new pages are copied out of
         the stream. The donated pages stay locked while the session lives. Every page goes least
         recently used first, whatever its `kind`. Pages that do not fit the budget are not kept.
+        Where pages after those in host memory are on disk, they are read into it from there, and
+        only when the session is `ending`: before, nothing after them is donated (a prompt attached
+        from disk pays no read into host memory before its first token).
         """
         if session.tokens[: len(tokens)] != tuple(tokens):
             raise ValueError("insert takes tokens the session has evaluated, in order")
-        chain = self._donate(session, tokens, preview)
+        chain = self._donate(session, tokens, preview, ending)
         if self.rows.n_swa and len(tokens) == session.n_past and len(tokens) % self.page_rows == 0:
             self._keep_window(session, len(tokens))
         return chain
 
-    def _donate(self, session: Session, tokens: list[int], preview: str) -> Chain | None:
+    def _donate(self, session: Session, tokens: list[int], preview: str, ending: bool) -> Chain | None:
         n_pages = len(tokens) // self.page_rows
-        path = self.tree.match(PrefixKey(session.namespace, tokens), n_pages)
+        key = PrefixKey(session.namespace, tokens)
+        path = self.tree.match(key, n_pages)
         self._lock(session, path)  # keep them while storing new pages evicts
         for node in path:
             self.store.touch(node)
+        on_disk = [] if self.rows.n_swa else self._disk_run(key, path, n_pages)
+        if on_disk:
+            if not ending:
+                return None
+            added, unkept = self._read_disk(session, key, path, on_disk)
+            path = path + added
+            if unkept and len(added) + len(unkept) == len(on_disk):  # host memory is full: the rest to disk alone
+                start = len(path) + len(unkept)
+                if start < n_pages:
+                    pages = self.rows.donate(session.seq, self.page_rows, start, n_pages - start)
+                    self._write_unkept(session.namespace, on_disk[-1], tokens, pages)
+                return None
         if len(path) == n_pages:
             return None
         pages = self.rows.donate(session.seq, self.page_rows, len(path), n_pages - len(path))
         chain = Chain(id=self._next_chain, path=path, preview=preview[:80], namespace=session.namespace)
         added = self._add_pages(session, tokens, chain, pages)
         last = (path + added)[-1] if path or added else self.tree.root(session.namespace)
-        self._write_unkept(last, tokens, pages[len(added):])
+        self._write_unkept(session.namespace, last.key, tokens, pages[len(added):])
         if not added:
             return None
         self._next_chain += 1
@@ -286,8 +380,7 @@ class PageCache(PrefixCache):
         disk, rows = self.tiers.disk, self.page_rows
         assert disk is not None
         pages: list[KvPage] = []
-        for i, page_key_ in enumerate(keys):
-            data = disk.get(page_key_)
+        for i, (page_key_, data) in enumerate(zip(keys, self._reader.map(disk.get, keys))):
             if data is None:
                 break
             start = (len(path) + i) * rows
@@ -331,13 +424,13 @@ class PageCache(PrefixCache):
             self.tiers.events.stored(added)
         return added
 
-    def _write_unkept(self, parent: PageNode, tokens: list[int], pages: list[KvPage]) -> None:
-        """Queue for the disk the pages after `parent` that host memory could not take: every page
-        donated reaches the disk, whatever the host budget."""
+    def _write_unkept(self, namespace: str, parent: bytes, tokens: list[int], pages: list[KvPage]) -> None:
+        """Queue for the disk the pages after the page keyed `parent` that host memory could not take:
+        every page donated reaches the disk, whatever the host budget."""
         disk = self.tiers.disk
         if disk is None or not pages:
             return
-        seed, key = self.tree.root(parent.namespace).key, parent.key
+        seed, key = self.tree.root(namespace).key, parent
         for page in pages:
             page_tokens = tuple(tokens[page.start : page.end])
             child = page_key(key, page_tokens)

@@ -63,10 +63,11 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def insert(self, session: Session, tokens: list[int], preview: str = "",
-               kind: MarkKind = MarkKind.CONVERSATION) -> object | None:
+               kind: MarkKind = MarkKind.CONVERSATION, ending: bool = False) -> object | None:
         """Keep what the session evaluated of `tokens` (a prefix of its history) under the session's
-        namespace, locked while it lives; `kind` says who can reuse it. Returns what was kept (a chain of pages, a checkpoint),
-        or None when nothing new was."""
+        namespace, locked while it lives; `kind` says who can reuse it; `ending`: the session's last
+        insert, as it ends (work it can wait for is done there). Returns what was kept (a chain of
+        pages, a checkpoint), or None when nothing new was."""
 
     @abstractmethod
     def unlock(self, session: Session) -> None:

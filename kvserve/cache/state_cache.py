@@ -197,7 +197,7 @@ class StateCache(PrefixCache):
         return mark
 
     def insert(self, session: Session, tokens: list[int], preview: str = "",
-               kind: MarkKind = MarkKind.CONVERSATION) -> Checkpoint | None:
+               kind: MarkKind = MarkKind.CONVERSATION, ending: bool = False) -> Checkpoint | None:
         """Record a checkpoint where the session stands (call it between two evals): `tokens` must be
         its whole history; the checkpoint is of the session's namespace. An opening one is evicted
         after every conversation one."""

@@ -41,6 +41,7 @@ Models that carry state (recurrent, hybrid) are refused: their checkpoints are w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import llama_cpp
 import numpy as np
@@ -383,6 +384,41 @@ class SeqState:
     def attach(self, seq: int, pages: list[KvPage], n: int) -> None:
         """Load positions [0, n) from `pages` into `seq`, replacing whatever it held."""
         self.ctx.write_seq_state(seq, self.assemble(pages, n))
+        self._check_restored(seq, n)
+
+    def attach_streamed(self, seq: int, pages: Iterable[KvPage | None], n: int) -> int:
+        """Load positions [0, n) into `seq` from `pages` (consecutive from position 0) taken one at a
+        time, each written into the blob before the next is taken: a page may be a view of a buffer
+        its source reuses for the next. A model with one KV section only (no sliding window).
+
+        Returns how many pages it took. A None, or pages ending before `n`, stops it: then nothing
+        is loaded and the count is of the pages before it (the caller tries again with fewer)."""
+        layout = self._layout
+        if layout is None or len(layout) != 1:
+            raise StateFormatError("a streamed restore needs one known KV section")
+        if n < 1:
+            raise ValueError("nothing to restore")
+        out = np.empty(_HEADER_BYTES + layout[0].size(n), np.uint8)
+        out[:_HEADER_BYTES] = np.frombuffer(self._header, np.uint8)
+        slots, end = _lay_section(out, _HEADER_BYTES, layout[0], 0, n)
+        assert end == out.size
+        taken = covered = 0
+        for page in pages:
+            if page is None:
+                return taken
+            if page.start != covered:
+                raise ValueError(f"pages must be consecutive from position 0: one starts at {page.start}, not {covered}")
+            slots.fill(slice(page.start, min(page.end, n)), page.tables[0][: n - page.start])
+            taken, covered = taken + 1, page.end
+            if covered >= n:
+                break
+        else:
+            return taken
+        self.ctx.write_seq_state(seq, out)
+        self._check_restored(seq, n)
+        return taken
+
+    def _check_restored(self, seq: int, n: int) -> None:
         last = self.ctx.seq_pos_max(seq)
         if last != n - 1:
             self.ctx.seq_rm(seq)
@@ -441,35 +477,62 @@ class SeqState:
 
 
 def _write_section(out: np.ndarray, at: int, section: _Section, stream: int, tables: list[np.ndarray]) -> int:
-    n = sum(map(len, tables))
+    slots, at = _lay_section(out, at, section, stream, sum(map(len, tables)))
+    for rows, table in _row_ranges(tables):
+        slots.fill(rows, table)
+    return at
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Where a section's `n` cells go in a blob being written: metadata, then each block's rows."""
+
+    section: _Section
+    n: int
+    meta: np.ndarray  # (n, meta bytes)
+    blocks: tuple[np.ndarray, ...]  # per block: (n, row bytes), or (n_embd, n, element bytes) transposed
+    every_block: np.ndarray | None  # (blocks, n, row bytes) over all of them, where they are alike
+
+    def fill(self, rows: slice, table: np.ndarray) -> None:
+        """Write `table` (rows as a page holds them) into the cells `rows`."""
+        self.meta[rows] = table[:, : self.section.meta_bytes]
+        col = self.section.meta_bytes
+        if self.every_block is not None:  # one copy for the page, not one per block
+            shape = (len(table), len(self.blocks), self.every_block.shape[2])
+            self.every_block[:, rows] = table[:, col:].reshape(shape).transpose(1, 0, 2)
+            return
+        for block, dest in zip(self.section.blocks, self.blocks):
+            cells = _block_view(table, col, block)
+            if block.n_embd:
+                dest[:, rows] = cells.transpose(1, 0, 2)
+            else:
+                dest[rows] = cells
+            col += block.row_bytes
+
+
+def _lay_section(out: np.ndarray, at: int, section: _Section, stream: int, n: int) -> tuple[_Slots, int]:
+    """Write a section's heads for `n` cells in `stream` at `at`: where its rows go, and where it ends."""
     counts = np.zeros(1 + section.n_stream, np.uint32)
     counts[0] = section.n_stream
     counts[1 + stream] = n
-    head = counts[: 2 + stream].view(np.uint8)
-    out[at : at + head.size] = head
-    at += head.size
+    at = _put(out, at, counts[: 2 + stream].view(np.uint8))
+    meta, blocks, every = out[at:at].reshape(0, section.meta_bytes), [], None
     if n:
-        ranges = _row_ranges(tables)
         meta = out[at : at + n * section.meta_bytes].reshape(n, section.meta_bytes)
-        for rows, table in ranges:
-            meta[rows] = table[:, : section.meta_bytes]
         at = _put(out, at + meta.size, np.frombuffer(section.data_head, np.uint8))
-        col = section.meta_bytes
+        first = at + _BLOCK_HEAD_BYTES
         for block in section.blocks:
             at = _put(out, at, np.frombuffer(block.head, np.uint8))
-            size = n * block.row_bytes
-            dest = out[at : at + size]
-            for rows, table in ranges:
-                cells = _block_view(table, col, block)
-                if block.n_embd:
-                    dest.reshape(block.n_embd, n, -1)[:, rows] = cells.transpose(1, 0, 2)
-                else:
-                    dest.reshape(n, -1)[rows] = cells
-            at += size
-            col += block.row_bytes
-    tail = counts[2 + stream :].view(np.uint8)
-    out[at : at + tail.size] = tail
-    return at + tail.size
+            dest = out[at : at + n * block.row_bytes]
+            blocks.append(dest.reshape(block.n_embd, n, -1) if block.n_embd else dest.reshape(n, -1))
+            at += n * block.row_bytes
+        sizes = {(b.row_bytes, b.n_embd) for b in section.blocks}
+        if len(sizes) == 1 and not section.blocks[0].n_embd:  # evenly spaced: one strided view over all
+            row = section.blocks[0].row_bytes
+            every = np.lib.stride_tricks.as_strided(
+                out[first:at], shape=(len(blocks), n, row), strides=(_BLOCK_HEAD_BYTES + n * row, row, 1))
+    at = _put(out, at, counts[2 + stream :].view(np.uint8))
+    return _Slots(section, n, meta, tuple(blocks), every), at
 
 
 def _row_ranges(tables: list[np.ndarray]) -> list[tuple[slice, np.ndarray]]:

@@ -243,7 +243,7 @@ class KvManager:
         for choice in [c for c in request.state.choices if c.session is not None]:
             session = choice.session
             if donate and not choice.forked:
-                self.cache.insert(session, session.tokens, preview=self._preview(request))
+                self.cache.insert(session, session.tokens, preview=self._preview(request), ending=True)
             self.pool.end_session(session)
             self._follow(session.seq)
             choice.session = None
