@@ -5,7 +5,8 @@ against llama-server's manual slot save and restore.
    Qwen2.5-Coder-0.5B-Instruct (said so in the results), `--parallel 1`, `--ctx-size CTX`, all cores.
    A prompt of each size is kvserve's own source files, concatenated and cut to size in tokens, then a
    question; the same token ids go to every server (`/v1/completions` with a token list for kvserve,
-   `/completion` for llama-server), max_tokens 1, so a request's wall time is its time to first token.
+   `/completion` for llama-server), streamed, 2 tokens: TTFT is the first token's arrival, and the
+   request's whole time (the second token, and what a server does as a request ends) is shown beside it.
    Every server first answers a 2-token warm-up request (no page of it is cached), so the one-time
    costs of a first request are in no cell. For each size and run, each on a fresh folder:
    - kvserve, SIGTERM: cold TTFT on a fresh server (the prompt computed), then SIGTERM and wait (the
@@ -135,27 +136,51 @@ def post(url: str, path: str, body: dict, timeout: float = CAP) -> tuple[dict, f
     return response.json(), seconds
 
 
+def streamed(url: str, path: str, body: dict, timeout: float = CAP) -> tuple[list[dict], float, float]:
+    """POST `body` with `stream` on: its events, the seconds to the first one carrying text (the time to
+    first token) and to the end of the response."""
+    began, first, events = time.perf_counter(), None, []
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=timeout,
+                      trust_env=False) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"POST {path}: HTTP {response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            events.append(event)
+            texts = [c.get("text") for c in event.get("choices") or []] + [event.get("content")]
+            if first is None and any(texts):
+                first = time.perf_counter() - began
+    seconds = time.perf_counter() - began
+    return events, first if first is not None else seconds, seconds
+
+
 def kvserve_ttft(url: str, tokens: list[int] | str) -> dict:
-    """One /v1/completions request of max_tokens 1: its seconds, prompt and cached tokens."""
-    body, seconds = post(url, "/v1/completions", {"prompt": tokens, "max_tokens": 1, "temperature": 0})
-    usage = body["usage"]
-    return {"ttft_s": seconds, "prompt_tokens": usage["prompt_tokens"],
+    """One streamed /v1/completions request of max_tokens 2: the seconds to its first token and to its
+    end, prompt and cached tokens."""
+    events, first, seconds = streamed(url, "/v1/completions", {"prompt": tokens, "max_tokens": 2, "temperature": 0,
+                                                               "stream_options": {"include_usage": True}})
+    usage = next(e["usage"] for e in reversed(events) if e.get("usage"))
+    return {"ttft_s": first, "request_s": seconds, "prompt_tokens": usage["prompt_tokens"],
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"), "loadavg": loadavg()}
 
 
 def llama_ttft(url: str, tokens: list[int] | str) -> dict:
-    """One /completion request of n_predict 1 on slot 0, caching the prompt: seconds, prompt tokens and
-    the tokens it took from the slot's cache (timings.cache_n, else prompt less evaluated tokens)."""
-    body, seconds = post(url, "/completion", {"prompt": tokens, "n_predict": 1, "temperature": 0,
-                                              "cache_prompt": True, "id_slot": 0})
+    """One streamed /completion request of n_predict 2 on slot 0, caching the prompt: seconds to its
+    first token and to its end, prompt tokens and the tokens it took from the slot's cache
+    (timings.cache_n, else prompt less evaluated tokens)."""
+    events, first, seconds = streamed(url, "/completion", {"prompt": tokens, "n_predict": 2, "temperature": 0,
+                                                          "cache_prompt": True, "id_slot": 0})
+    body = next((e for e in reversed(events) if e.get("timings")), events[-1] if events else {})
     timings = body.get("timings") or {}
     evaluated = timings.get("prompt_n")
     cached = timings.get("cache_n")
     prompt = body.get("tokens_evaluated") or ((cached or 0) + (evaluated or 0)) or None
     if cached is None and prompt is not None and evaluated is not None:
         cached = prompt - evaluated
-    return {"ttft_s": seconds, "prompt_tokens": prompt, "cached_tokens": cached, "evaluated_tokens": evaluated,
-            "loadavg": loadavg()}
+    return {"ttft_s": first, "request_s": seconds, "prompt_tokens": prompt, "cached_tokens": cached,
+            "evaluated_tokens": evaluated, "loadavg": loadavg()}
 
 
 def disk_stats(url: str) -> dict:
@@ -469,7 +494,9 @@ def restart_summary(rows: list[dict]) -> list[dict]:
                 continue
             cold = [r["cold"]["ttft_s"] for r in mine]
             restart = [r["restart"]["ttft_s"] for r in mine]
+            whole = [r["restart"]["request_s"] for r in mine if "request_s" in r["restart"]]
             out.append({"tokens": size, "server": server, "runs": len(mine), "cold_s": cold, "restart_s": restart,
+                        "restart_request_s": whole,
                         "ratio": [b / a for a, b in zip(cold, restart)],
                         "speedup": [a / b for a, b in zip(cold, restart)],
                         "cached": [f"{r['restart']['cached_tokens']}/{r['restart']['prompt_tokens']}" for r in mine],
@@ -523,7 +550,8 @@ def markdown(result: dict) -> str:
         lines += ["## 1. TTFT after a restart", "",
                   f"Model: {s['model_note']}. `--parallel 1`, `--ctx-size {CTX}`, {s['threads']} threads; prompts of "
                   "kvserve's own source files cut to size, then a question, the same token ids to every server; "
-                  "max_tokens 1 (the request's wall time is its TTFT), after a 2-token warm-up request on each "
+                  "streamed, 2 tokens: TTFT is the first token's arrival (the whole request's time beside it), "
+                  "after a 2-token warm-up request on each "
                   f"server. Runs per size: {s['plan']}. kvserve-sigterm: cold on a fresh server and folder, SIGTERM, "
                   f"a new server on the folder; kvserve-sigkill: SIGKILL {KILL_WAIT:g} s after the cold answer; "
                   "llama-server-slot-save: `--slot-save-path`, POST /slots/0?action=save, SIGTERM, a new server, "
@@ -531,10 +559,12 @@ def markdown(result: dict) -> str:
                   "over the runs.", "",
                   f"llama-server: {result['llama_server_note']}.", ""]
         table = [[x["tokens"], x["server"], x["runs"], spread(x["cold_s"]), spread(x["restart_s"]),
+                  spread(x.get("restart_request_s") or []),
                   spread(x["ratio"]), spread(x["speedup"]), ", ".join(x["cached"]),
                   spread(x["save_s"]) if x["save_s"] else "-", spread(x["restore_s"]) if x["restore_s"] else "-",
                   spread(x["restart_start_s"])] for x in summary]
-        lines += [markdown_table(["tokens", "server", "runs", "cold TTFT s", "restart TTFT s", "restart / cold",
+        lines += [markdown_table(["tokens", "server", "runs", "cold TTFT s", "restart TTFT s",
+                                  "restart request s", "restart / cold",
                                   "speedup", "cached after restart", "save s", "restore s",
                                   "restarted server ready s"], table), ""]
         lines += [markdown_table(["target", "measured", "met"],
