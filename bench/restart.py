@@ -23,7 +23,8 @@ against llama-server's manual slot save and restore.
    beside the disk tier's own counters: bytes written over the writer's seconds (each page a file,
    written, fsynced and renamed), and pages read back over the seconds reading them, on the restarted
    servers (those files were just written: the reads come from the page cache, as after a process
-   restart on a running machine).
+   restart on a running machine; two threads read, and their seconds are summed, so this rate is a
+   lower bound).
 3. Workloads: `python -m bench`'s shared and multiturn workloads (SmolLM2-135M, the sizes they are
    written for: 8 users, 4,096-token context, 64 output tokens) on kvserve alone, `host` (no disk tier,
    the default host budget, ample) against `disk` (the disk tier on, `--prefix-state-mb` a quarter of

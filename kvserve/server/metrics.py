@@ -215,7 +215,7 @@ class _TierCollector(Collector):
                 ("hits", d.hits, "Pages read back from disk"),
                 ("writes", d.writes, "Pages written to disk"),
                 ("written_bytes", d.written_bytes, "Bytes written to disk"),
-                ("read_seconds", d.read_seconds, "Time spent reading pages from disk"),
+                ("read_seconds", d.read_seconds, "Time spent reading pages from disk, summed over the reading threads"),
                 ("write_seconds", d.write_seconds, "Time the writer spent writing pages"),
                 ("refused", d.refused, "Page files found corrupt, truncated or foreign, and removed"),
                 ("dropped_writes", d.dropped_writes, "Pages not written: the write queue was full"),
