@@ -68,6 +68,17 @@ def test_a_start_timed_on_a_busy_machine_is_repriced_everywhere() -> None:
     assert close(cost.step([2, 32], 5000), honest([2, 32], 5000), within=0.1)
 
 
+def test_a_size_nothing_samples_is_never_priced_above_a_larger_one() -> None:
+    """Sizes timed 15x too slow at start that no step samples (nothing drafts at such a price, so
+    nothing would ever correct it): each costs no more than the next larger size's price, learnt or
+    timed; with the cap removed (a mutation) they keep their poisoned prices and this fails."""
+    cost = UbatchCost({**HONEST, 4: 15 * HONEST[4], 12: 15 * HONEST[12], 16: 15 * HONEST[16]})
+    serve(cost, [([1], 300), ([8], 2000)], rounds=LEARNT)
+    assert cost.ubatch(4) <= cost.ubatch(8) and close(cost.ubatch(4), HONEST[8], within=0.1), cost.entries()
+    assert cost.ubatch(12) <= cost.ubatch(32) and close(cost.ubatch(16), HONEST[32], within=0.1), cost.entries()
+    assert cost.entries()[4][1] == 0  # priced from a larger size, not from samples of its own
+
+
 def test_one_slow_step_moves_no_price() -> None:
     cost = UbatchCost(HONEST)
     serve(cost, [([4], 1000)], rounds=WINDOW)

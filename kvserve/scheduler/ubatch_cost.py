@@ -22,6 +22,9 @@ a 16-token one 0.98 s, and smoothly on the next start. So it is never a sample; 
 priced at its start-up timing times the load the learnt sizes measured (the median of each one's
 price over its timing, so one poisoned timing among them moves none; a size learnt before it was
 timed has no timing of its own and counts for nothing there), never from one sample of its own.
+Nor above a larger size's price: served beside another server's start, one start timed 12- and
+16-token ubatches at 3.95 s where 8 learnt 0.21 and 32 was timed at 0.73, and a size priced that
+high is never drafted at, so no step would ever have sampled it back down.
 
 Timing every size while the server loaded held /health back (a 0.5B on 2 shared cores: 14 to 52 s
 against 4 to 6 s without), so the sizes given as `to_time` are timed while the engine idles, one at
@@ -42,6 +45,7 @@ Invariants:
 - `ubatch(n)` is positive for every n >= 1: a learnt size's price is a median of positive samples;
   another's is its prior times a positive load, the prior interpolated between two sizes timed at
   start, beyond the largest extending the last two's slope (never falling), below the smallest scaled;
+  a size not learnt costs no more than any larger size timed or learnt;
 - a size's price is its own samples' median once it has `LEARNT` of them, and no sample is older
   than its size's last `WINDOW`;
 - `per_key` >= 0, whatever the steps observed, and reads only steps' seconds and keys;
@@ -155,7 +159,15 @@ class UbatchCost:
         return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
 
     def ubatch(self, n: int) -> float:
-        """A ubatch of `n` tokens: its learnt price, or its prior at the load the learnt sizes measured."""
+        """A ubatch of `n` tokens: its learnt price, or its prior at the load the learnt sizes measured,
+        but never more than a larger size's own price (learnt, or its prior at that load)."""
+        learnt = self._learnt.get(n)
+        if learnt is not None:
+            return learnt
+        larger = {m for m in (*self._sizes, *self._learnt) if m > n}
+        return min([self._own(n), *map(self._own, larger)])
+
+    def _own(self, n: int) -> float:
         learnt = self._learnt.get(n)
         return learnt if learnt is not None else self.prior(n) * self._load
 
