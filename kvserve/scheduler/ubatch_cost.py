@@ -95,6 +95,7 @@ class UbatchCost:
         self._sampled_at: dict[int, int] = {}  # the step each size was last sampled at
         self._steps = 0
         self._load = 1.0  # what the learnt sizes measured over their start-up timing (median)
+        self._prices: dict[int, float] = {}  # `ubatch` of each size asked since the prices last changed
         self.per_key = 0.0
         # per size, its last steps of that size alone, per ubatch: (keys, seconds)
         self._points: dict[int, deque[tuple[float, float]]] = {}
@@ -106,7 +107,7 @@ class UbatchCost:
             self.table, self._timed = table, True
         self._sizes = sorted(self.table)
         self.untimed = set()
-        self.samples, self._learnt, self._sampled_at, self._load = {}, {}, {}, 1.0
+        self.samples, self._learnt, self._sampled_at, self._load, self._prices = {}, {}, {}, 1.0, {}
         self._points, self.per_key = {}, 0.0
 
     def next_to_time(self) -> int | None:
@@ -160,12 +161,16 @@ class UbatchCost:
 
     def ubatch(self, n: int) -> float:
         """A ubatch of `n` tokens: its learnt price, or its prior at the load the learnt sizes measured,
-        but never more than a larger size's own price (learnt, or its prior at that load)."""
-        learnt = self._learnt.get(n)
-        if learnt is not None:
-            return learnt
-        larger = {m for m in (*self._sizes, *self._learnt) if m > n}
-        return min([self._own(n), *map(self._own, larger)])
+        but never more than a larger size's own price (learnt, or its prior at that load). Kept until a
+        timing or a learnt price changes: `auto` asks it for every draft length it weighs."""
+        price = self._prices.get(n)
+        if price is None:
+            price = self._learnt.get(n)
+            if price is None:
+                larger = {m for m in (*self._sizes, *self._learnt) if m > n}
+                price = min([self._own(n), *map(self._own, larger)])
+            self._prices[n] = price
+        return price
 
     def _own(self, n: int) -> float:
         learnt = self._learnt.get(n)
@@ -226,6 +231,7 @@ class UbatchCost:
         ratios = [price / self.prior(n) for n, price in self._learnt.items()
                   if n not in self._to_time or (self._timed and n in self.table)]
         self._load = statistics.median(ratios) if ratios else 1.0
+        self._prices = {}  # every learnt price and timing change passes here
 
     def _fit(self) -> None:
         """`per_key`: the median slope between two steps of one size whose keys differ by at least
