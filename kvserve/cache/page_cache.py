@@ -211,11 +211,7 @@ class PageCache(PrefixCache):
         if self.rows.n_swa:
             del pages[self._restorable(key, pages):]
             del path[len(pages):]
-        n = self._rows_of(key, len(pages))
-        if not n:
-            return []
-        self.rows.attach(session.seq, pages, n)
-        return self._attached(session, key, path, n)
+        return self._attach_pages(session, key, path, pages)
 
     def _attach_streamed(self, session: Session, key: PrefixKey, path: list[PageNode], keys: list[bytes]) -> list[int]:
         """Attach `path`'s pages and then the run of `keys` read from disk, each file read into one
@@ -234,11 +230,7 @@ class PageCache(PrefixCache):
             if taken == n_pages:
                 return self._attached(session, key, path, n)
             n_pages = taken
-        n = self._rows_of(key, len(path))
-        if not n:
-            return []
-        self.rows.attach(session.seq, pages, n)
-        return self._attached(session, key, path, n)
+        return self._attach_pages(session, key, path, pages)
 
     def _disk_pages(self, pages: list[KvPage], keys: list[bytes], n_pages: int) -> Iterator[KvPage | None]:
         """`pages`, then those of `keys` read from disk, up to `n_pages` in all; None for the first
@@ -257,13 +249,7 @@ class PageCache(PrefixCache):
         try:
             ahead.extend(self._reader.submit(read, i) for i in range(min(len(buffers), len(keys))))
             for i, page_key_ in enumerate(keys):
-                data, page = ahead.popleft().result(), None
-                try:
-                    if data is not None:
-                        page = self.rows.page_from_bytes(data, (len(pages) + i) * self.page_rows, self.page_rows)
-                except StateFormatError:
-                    disk.discard(page_key_)
-                    self.disk_refused += 1
+                page = self._page_read(page_key_, ahead.popleft().result(), len(pages) + i)
                 yield page
                 if page is None:
                     return
@@ -277,6 +263,27 @@ class PageCache(PrefixCache):
         if self._buffers[0].nbytes < nbytes:
             self._buffers = [np.empty(nbytes, np.uint8) for _ in self._buffers]
         return self._buffers
+
+    def _page_read(self, page_key_: bytes, data: bytes | memoryview | None, index: int) -> KvPage | None:
+        """The page `disk.get` read for the `index`-th page of a prompt, checked against this context's
+        layout; None if the read found nothing, or if the page does not fit (its file is removed)."""
+        if data is None:
+            return None
+        try:
+            return self.rows.page_from_bytes(data, index * self.page_rows, self.page_rows)
+        except StateFormatError:
+            assert self.tiers.disk is not None
+            self.tiers.disk.discard(page_key_)
+            self.disk_refused += 1
+            return None
+
+    def _attach_pages(self, session: Session, key: PrefixKey, path: list[PageNode], pages: list[KvPage]) -> list[int]:
+        """Set `pages` (those of `path`, then any read from disk) into the session's stream."""
+        n = self._rows_of(key, len(pages))
+        if not n:
+            return []
+        self.rows.attach(session.seq, pages, n)
+        return self._attached(session, key, path, n)
 
     def _attached(self, session: Session, key: PrefixKey, path: list[PageNode], n: int) -> list[int]:
         self._lock(session, path)
@@ -377,19 +384,14 @@ class PageCache(PrefixCache):
         """Read the pages of `keys` (the run after `path`) from disk, until one is missing or refused:
         the nodes of those the tree and the host store took (locked for the session), then the pages
         after them that host memory could not take (attached all the same; they stay on disk)."""
-        disk, rows = self.tiers.disk, self.page_rows
+        disk = self.tiers.disk
         assert disk is not None
         pages: list[KvPage] = []
         for i, (page_key_, data) in enumerate(zip(keys, self._reader.map(disk.get, keys))):
-            if data is None:
+            page = self._page_read(page_key_, data, len(path) + i)
+            if page is None:
                 break
-            start = (len(path) + i) * rows
-            try:
-                pages.append(self.rows.page_from_bytes(data, start, rows))
-            except StateFormatError:
-                disk.discard(page_key_)
-                self.disk_refused += 1
-                break
+            pages.append(page)
         if not pages:
             return [], []
         chain = Chain(id=self._next_chain, path=list(path), preview="(from disk)", namespace=key.namespace)

@@ -488,7 +488,6 @@ class _Slots:
     """Where a section's `n` cells go in a blob being written: metadata, then each block's rows."""
 
     section: _Section
-    n: int
     meta: np.ndarray  # (n, meta bytes)
     blocks: tuple[np.ndarray, ...]  # per block: (n, row bytes), or (n_embd, n, element bytes) transposed
     every_block: np.ndarray | None  # (blocks, n, row bytes) over all of them, where they are alike
@@ -532,7 +531,7 @@ def _lay_section(out: np.ndarray, at: int, section: _Section, stream: int, n: in
             every = np.lib.stride_tricks.as_strided(
                 out[first:at], shape=(len(blocks), n, row), strides=(_BLOCK_HEAD_BYTES + n * row, row, 1))
     at = _put(out, at, counts[2 + stream :].view(np.uint8))
-    return _Slots(section, n, meta, tuple(blocks), every), at
+    return _Slots(section, meta, tuple(blocks), every), at
 
 
 def _row_ranges(tables: list[np.ndarray]) -> list[tuple[slice, np.ndarray]]:
