@@ -8,6 +8,8 @@ positions or the wrong rows, must make that comparison fail.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -89,35 +91,45 @@ def test_pages_restore_the_rows_recomputing_gives(runner: Runner) -> None:
         runner.ctx.seq_rm(1)
 
 
-def _through_one_buffer(state: SeqState, pages: list[KvPage], stop: int | None = None) -> Iterator[KvPage | None]:
-    """`pages` as a disk reader gives them: each read back from its bytes into one buffer, which the
-    next page overwrites (so a page kept past its turn would hold another's rows); None at `stop`."""
-    buffer = np.empty(0, np.uint8)
-    for i, page in enumerate(pages):
-        if i == stop:
-            yield None
-            return
-        data = np.concatenate(state.page_bytes(page))
-        if buffer.size < data.size:
-            buffer = np.empty(data.size, np.uint8)
-        buffer[: data.size] = data
-        yield state.page_from_bytes(buffer[: data.size], page.start, page.n_rows)
-        buffer[:] = 0xA5
-
-
-def test_a_streamed_restore_gives_the_rows_recomputing_gives(runner: Runner) -> None:
-    """Pages taken one at a time through a reused buffer (the disk tier's way) restore what `attach`
-    of the same pages does; a None stops it before anything is loaded, and says how many it took."""
+def test_a_restore_from_page_bytes_gives_the_rows_recomputing_gives(runner: Runner) -> None:
+    """Pages put into a blob from their bytes as the disk tier stores them (through one buffer, which
+    the next page overwrites), in any order, or filled from memory, restore what recomputing gives;
+    bytes of a page of another place are refused."""
     tokens = _tokens(100, seed=4)
     runner.eval(0, tokens[:96])
     pages = runner.state.donate(0, PAGE)
+    buffer = np.empty(0, np.uint8)
     for n in (95, 96):  # the last page cut short (a prompt's last token is evaluated), and whole
-        assert runner.state.attach_streamed(1, _through_one_buffer(runner.state, pages), n) == 6
+        restore = runner.state.restore(n)
+        for page in reversed(pages[1:]):
+            data = np.concatenate(runner.state.page_bytes(page))
+            buffer = buffer if buffer.size >= data.size else np.empty(data.size, np.uint8)
+            buffer[: data.size] = data
+            restore.put(buffer[: data.size], page.start, page.n_rows)
+            buffer[:] = 0xA5
+        restore.fill(pages[0])
+        restore.load(1)
         assert (runner.ctx.seq_pos_min(1), runner.ctx.seq_pos_max(1)) == (0, n - 1)
         np.testing.assert_array_equal(runner.next_logits(1, tokens, n), runner.recomputed(2, tokens, n))
         runner.ctx.seq_rm(1)
-    assert runner.state.attach_streamed(1, _through_one_buffer(runner.state, pages, stop=4), 96) == 4
-    assert runner.ctx.seq_pos_max(1) == -1
+    with pytest.raises(StateFormatError):
+        runner.state.restore(96).put(np.concatenate(runner.state.page_bytes(pages[2])), PAGE, PAGE)
+
+
+def test_a_restore_waits_for_the_buffer_reserved_for_it(runner: Runner) -> None:
+    """A restore while `reserve` is still under way on another thread waits for it and writes into
+    its buffer (mapped ahead, the point of reserving), not into fresh memory of its own."""
+    runner.eval(0, _tokens(32, seed=5))
+    runner.state.donate(0, PAGE)  # the layout is known
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(gate.wait)  # the reserve waits behind this until the restore has asked for its blob
+        runner.state.reserving = pool.submit(runner.state.reserve, 96)
+        threading.Timer(0.2, gate.set).start()
+        restore = runner.state.restore(64)
+    reserved = runner.state.restore(96).blob
+    assert np.shares_memory(restore.blob, reserved) and restore.blob.ctypes.data == reserved.ctypes.data
+    assert runner.state.reserving is None
 
 
 def test_a_prefix_from_two_donors(runner: Runner) -> None:

@@ -28,8 +28,8 @@ key (page_key.py), those the host budget cannot take included, and a window that
 rewrites it there. A prompt
 matches the tree's pages, then the run of keys that follow them on disk; each file is checked by the
 store, then against this context's layout (a page that fails either is discarded and ends the run,
-never attached). Attach reads the run straight into the session's stream, through a few reused
-buffers, with reads running ahead on two threads; the session's last insert, as it ends, reads the
+never attached). Attach reads each file of the run straight into its rows' places in the state
+blob (`SeqState.restore`), on two threads; the session's last insert, as it ends, reads the
 pages into the tree and the host store, as if donated (those the host budget cannot take stay on disk
 only), so nothing read from disk is copied into host memory before the first token. A sliding-window
 model reads them into the tree and the host store at attach, its window checked first.
@@ -39,10 +39,9 @@ Pages evicted from host memory stay on disk. Each page entering or leaving host 
 
 from __future__ import annotations
 
-import collections
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -56,9 +55,7 @@ from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.context import Context
 from kvserve.cache.tiers import Tiers
-from kvserve.llama.seq_state import KvPage, SeqState, StateFormatError
-
-_READ_AHEAD = 4  # pages read from disk ahead of the one being restored
+from kvserve.llama.seq_state import KvPage, Restore, SeqState, StateFormatError
 
 
 @dataclass(eq=False)
@@ -108,13 +105,15 @@ class PageCache(PrefixCache):
         self._hit_tokens = 0
         self._evicted_pages = 0
         self._next_chain = 1
-        self._buffers = [np.empty(0, np.uint8)] * _READ_AHEAD  # pages read from disk pass through them
         self._reader = ThreadPoolExecutor(2, thread_name_prefix="kvserve-disk-read")
+        self._thread = threading.local()  # each reading thread's buffer for the pages it reads
         self.windows_filled = 0  # windows read alone into pages already cached (PARTIAL_ONLY)
         self.tiers = tiers
         self.disk_refused = 0  # pages read from disk that did not fit this context's layout
         if tiers.disk is not None:
             self.rows.learn_layout(0, max(ctx.model.bos, 0))  # disk pages restore before any donation
+            if len(tiers.disk):  # a restart: the blob its first restore from disk needs, mapped meanwhile
+                self.rows.reserving = self._reader.submit(self.rows.reserve, min(len(tiers.disk) * page_rows, ctx.n_ctx_seq))
 
     @property
     def held_pages(self) -> int:
@@ -214,55 +213,57 @@ class PageCache(PrefixCache):
         return self._attach_pages(session, key, path, pages)
 
     def _attach_streamed(self, session: Session, key: PrefixKey, path: list[PageNode], keys: list[bytes]) -> list[int]:
-        """Attach `path`'s pages and then the run of `keys` read from disk, each file read into one
-        reused buffer and written straight into the state blob: nothing read from disk is copied
-        into host memory before the first token (the session's last insert, as it ends, brings them
-        there). A file that fails a check ends the run before it."""
+        """Attach `path`'s pages and then the run of `keys` read from disk, each file read straight
+        into its place in the state blob by two threads: nothing read from disk is copied into host
+        memory before the first token (the session's last insert, as it ends, brings them there). A
+        file that fails a check ends the run before it."""
         pages = [self.store.get(node) for node in path]
         n_pages = len(path) + len(keys)
         while n_pages > len(path):
             n = self._rows_of(key, n_pages)
-            stream = self._disk_pages(pages, keys, n_pages)
-            try:
-                taken = self.rows.attach_streamed(session.seq, stream, n)
-            finally:
-                stream.close()
+            restore = self.rows.restore(n)
+            for page in pages:
+                restore.fill(page)
+            taken = len(path) + self._read_into(restore, keys[: n_pages - len(path)], len(path))
             if taken == n_pages:
+                restore.load(session.seq)
                 return self._attached(session, key, path, n)
             n_pages = taken
         return self._attach_pages(session, key, path, pages)
 
-    def _disk_pages(self, pages: list[KvPage], keys: list[bytes], n_pages: int) -> Iterator[KvPage | None]:
-        """`pages`, then those of `keys` read from disk, up to `n_pages` in all; None for the first
-        that is missing or refused (its file removed). Reads run ahead on two threads, each page into
-        one of a few buffers, reused once the page before it was taken."""
+    def _read_into(self, restore: Restore, keys: list[bytes], first: int) -> int:
+        """Read the pages of `keys` (page `first` on) from disk into `restore`, on two threads, each
+        file through a buffer of the thread's own; how many, from the first, came in whole (a file
+        missing, or refused by the store or by the layout, ends the count; a refused one is removed)."""
         disk = self.tiers.disk
         assert disk is not None
-        yield from pages
-        keys = keys[: n_pages - len(pages)]
-        buffers = self._read_buffers(max((e.nbytes for k in keys if (e := disk.entry(k))), default=0))
-        ahead: collections.deque[Future[bytes | memoryview | None]] = collections.deque()
 
-        def read(i: int) -> bytes | memoryview | None:
-            return disk.get(keys[i], into=buffers[i % len(buffers)])
+        def read(i: int) -> str:
+            buffer = getattr(self._thread, "buffer", None)
+            nbytes = entry.nbytes if (entry := disk.entry(keys[i])) else 0
+            if buffer is None or buffer.size < nbytes:
+                buffer = self._thread.buffer = np.empty(nbytes, np.uint8)
+            data = disk.get(keys[i], into=buffer)
+            if data is None:
+                return "missing"
+            try:
+                restore.put(data, (first + i) * self.page_rows, self.page_rows)
+            except StateFormatError:
+                return "refused"
+            return "read"
 
+        reads = [self._reader.submit(read, i) for i in range(len(keys))]
         try:
-            ahead.extend(self._reader.submit(read, i) for i in range(min(len(buffers), len(keys))))
-            for i, page_key_ in enumerate(keys):
-                page = self._page_read(page_key_, ahead.popleft().result(), len(pages) + i)
-                yield page
-                if page is None:
-                    return
-                if i + len(buffers) < len(keys):  # the page of buffer i was taken: read the next into it
-                    ahead.append(self._reader.submit(read, i + len(buffers)))
+            for i, done in enumerate(reads):
+                if (outcome := done.result()) != "read":
+                    if outcome == "refused":
+                        self._refused(keys[i])
+                    return i
+            return len(keys)
         finally:
-            wait(ahead)  # no read may still write into a buffer the next attach reuses
-
-    def _read_buffers(self, nbytes: int) -> list[np.ndarray]:
-        """The buffers pages read from disk pass through, grown to `nbytes` each."""
-        if self._buffers[0].nbytes < nbytes:
-            self._buffers = [np.empty(nbytes, np.uint8) for _ in self._buffers]
-        return self._buffers
+            for done in reads:
+                done.cancel()
+            wait(reads)  # no read may still write into a blob the next restore reuses
 
     def _page_read(self, page_key_: bytes, data: bytes | memoryview | None, index: int) -> KvPage | None:
         """The page `disk.get` read for the `index`-th page of a prompt, checked against this context's
@@ -272,10 +273,13 @@ class PageCache(PrefixCache):
         try:
             return self.rows.page_from_bytes(data, index * self.page_rows, self.page_rows)
         except StateFormatError:
-            assert self.tiers.disk is not None
-            self.tiers.disk.discard(page_key_)
-            self.disk_refused += 1
+            self._refused(page_key_)
             return None
+
+    def _refused(self, page_key_: bytes) -> None:
+        assert self.tiers.disk is not None
+        self.tiers.disk.discard(page_key_)
+        self.disk_refused += 1
 
     def _attach_pages(self, session: Session, key: PrefixKey, path: list[PageNode], pages: list[KvPage]) -> list[int]:
         """Set `pages` (those of `path`, then any read from disk) into the session's stream."""

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kvserve.llama.context import Context
 
 KEY_BYTES = 32
-FORMAT = 1  # of this module's hashing: bump when it changes
+FORMAT = 2  # of this module's hashing and of a page's bytes (`SeqState.page_bytes`): bump when either changes
 
 
 @dataclass(frozen=True)

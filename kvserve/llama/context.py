@@ -11,7 +11,7 @@ import ctypes
 import re
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import llama_cpp
 import numpy as np
@@ -216,11 +216,11 @@ class Context:
     def state_size(self, seq: int, flags: int = 0) -> int:
         return llama_cpp.llama_state_seq_get_size_ext(self._ptr, seq, flags)
 
-    def read_seq_state(self, seq: int, flags: int = 0) -> np.ndarray:
+    def read_seq_state(self, seq: int, flags: int = 0, buffer: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
         """`seq`'s state blob (`flags`: llama_state_seq_flags; 0: its KV rows and any recurrent
-        state), in a buffer of its own."""
+        state), in a buffer of its own, or in `buffer(size)`'s."""
         size = self.state_size(seq, flags)
-        buf = np.empty(size, dtype=np.uint8)
+        buf = buffer(size) if buffer is not None else np.empty(size, dtype=np.uint8)
         written = llama_cpp.llama_state_seq_get_data_ext(self._ptr, _u8_pointer(buf), size, seq, flags)
         if written != size:
             raise RuntimeError(f"llama.cpp wrote {written} of {size} state bytes for seq {seq}")

@@ -22,6 +22,10 @@ Invariants:
 - a page owns its rows: nothing keeps the donor's blob alive;
 - the layout (sections, metadata size, each layer's row sizes) is learned from the first blob read and
   checked by writing that blob back byte for byte; a blob that does not fit it raises StateFormatError.
+- memory: a blob on its way into or out of llama.cpp passes through one buffer, kept and grown to
+  the largest so far (at most one sequence's whole context): a restore writes into memory already
+  mapped. `reserve` grows it ahead of need from another thread; nothing else here leaves the
+  context's thread, except a `Restore`'s pages, each written to its own rows.
 
 Sliding-window models: for one sequence, `state_write` leaves out the cells its SWA layers no longer
 attend, so a blob of L tokens holds SWA rows only for its last window (the base layers hold all L).
@@ -40,8 +44,8 @@ Models that carry state (recurrent, hybrid) are refused: their checkpoints are w
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterable
 
 import llama_cpp
 import numpy as np
@@ -85,6 +89,13 @@ class _Section:
     @property
     def width(self) -> int:
         return self.meta_bytes + sum(b.row_bytes for b in self.blocks)
+
+    def columns(self) -> list[tuple[int, int]]:
+        """A table's column ranges: the metadata, then each block's row."""
+        edges = [0, self.meta_bytes]
+        for block in self.blocks:
+            edges.append(edges[-1] + block.row_bytes)
+        return list(zip(edges, edges[1:]))
 
     def size(self, n_cells: int) -> int:
         if not n_cells:
@@ -148,6 +159,8 @@ class SeqState:
         self.n_swa = int(llama_cpp.llama_model_n_swa(ctx.model.ptr))
         self._layout: tuple[_Section, ...] | None = None
         self._header = b""
+        self._scratch = np.empty(0, np.uint8)
+        self.reserving: Future[None] | None = None  # a `reserve` under way on another thread
 
     @property
     def row_bytes(self) -> int:
@@ -180,38 +193,59 @@ class SeqState:
 
     def page_bytes(self, page: KvPage) -> list[np.ndarray]:
         """`page` as bytes `page_from_bytes` reads back: u32 start, n_rows, n_tables, per table its
-        row count and width, then each table's rows. Pure: safe on any thread."""
+        row count and width, then each table's columns in turn: its rows' metadata, then each
+        layer's K or V rows (laid out as a blob lays them, so a page read from disk goes straight
+        into a blob: `Restore.put`). Safe on any thread once the layout is known. Pages are
+        named by this layout too: a change bumps `page_key.FORMAT`."""
+        if self._layout is None:
+            raise StateFormatError("no layout learned yet")
         head = [page.start, page.n_rows, len(page.tables)]
         for table in page.tables:
             head += [len(table), table.shape[1] if table.ndim == 2 else 0]
-        return [np.asarray(head, dtype="<u4").view(np.uint8), *(np.ascontiguousarray(t).reshape(-1) for t in page.tables)]
+        out = [np.asarray(head, dtype="<u4").view(np.uint8)]
+        for section, table in zip(self._layout, page.tables):
+            out += [np.ascontiguousarray(table[:, lo:hi]).reshape(-1) for lo, hi in section.columns()]
+        return out
 
     def page_from_bytes(self, data: bytes | memoryview, start: int, n_rows: int) -> KvPage:
-        """The page `page_bytes` wrote, checked against the layout this context reads (each section's
-        row width, every full-attention row present, sliding-window rows a suffix) and against the
-        place it is to fill; StateFormatError for anything else."""
+        """The page `page_bytes` wrote, in tables of its own, checked against the layout this context
+        reads (each section's row width, every full-attention row present, sliding-window rows a
+        suffix) and against the place it is to fill; StateFormatError for anything else."""
         if self._layout is None:
             raise StateFormatError("no layout learned yet")
         raw = np.frombuffer(data, np.uint8)
         n_head = 3 + 2 * len(self._layout)
         if raw.size < 4 * n_head:
             raise StateFormatError("a page shorter than its header")
-        head = raw[: 4 * n_head].view("<u4").astype(np.int64)
-        if (int(head[0]), int(head[1]), int(head[2])) != (start, n_rows, len(self._layout)):
-            raise StateFormatError("a page of another place or another section count")
+        counts = self._page_head(raw[: 4 * n_head], start, n_rows)
         tables, at = [], 4 * n_head
-        for i, section in enumerate(self._layout):
-            rows, width = int(head[3 + 2 * i]), int(head[4 + 2 * i])
-            if width != section.width or rows > n_rows or (rows != n_rows and not section.sliding):
-                raise StateFormatError("a page whose rows do not fit this context's layout")
-            table = raw[at : at + rows * width]
-            if table.size != rows * width:
-                raise StateFormatError("a page that ends early")
-            tables.append(table.reshape(rows, width))
-            at += rows * width
+        for section, rows in zip(self._layout, counts):
+            table = np.empty((rows, section.width), np.uint8)
+            for lo, hi in section.columns():
+                part = raw[at : at + rows * (hi - lo)]
+                if part.size != rows * (hi - lo):
+                    raise StateFormatError("a page that ends early")
+                table[:, lo:hi] = part.reshape(rows, hi - lo)
+                at += part.size
+            tables.append(table)
         if at != raw.size:
             raise StateFormatError("a page with bytes past its tables")
         return KvPage(start, n_rows, tuple(tables))
+
+    def _page_head(self, head: np.ndarray, start: int, n_rows: int) -> list[int]:
+        """The row count of each table a page's head announces; StateFormatError unless it is a page
+        of this layout, of `n_rows` positions from `start`."""
+        assert self._layout is not None
+        words = head.view("<u4").astype(np.int64)
+        if (int(words[0]), int(words[1]), int(words[2])) != (start, n_rows, len(self._layout)):
+            raise StateFormatError("a page of another place or another section count")
+        counts = []
+        for i, section in enumerate(self._layout):
+            rows, width = int(words[3 + 2 * i]), int(words[4 + 2 * i])
+            if width != section.width or rows > n_rows or (rows != n_rows and not section.sliding):
+                raise StateFormatError("a page whose rows do not fit this context's layout")
+            counts.append(rows)
+        return counts
 
     def page_outline(self, nbytes: int, start: int, n_rows: int) -> KvPage:
         """A page of `nbytes` as `page_bytes` wrote it, without its rows: the row count of each section
@@ -229,7 +263,7 @@ class SeqState:
 
     def read(self, seq: int, first: int = 0) -> SeqRows:
         """The cells `seq` holds from position `first` on, as tables in position order."""
-        return self.parse(self.ctx.read_seq_state(seq), first)
+        return self.parse(self.ctx.read_seq_state(seq, buffer=self._blob), first)
 
     def donate(self, seq: int, page_rows: int, first_page: int = 0, n_pages: int | None = None) -> list[KvPage]:
         """Pages `first_page ..` of `seq` (as many whole pages as it holds, or `n_pages`); only
@@ -383,40 +417,50 @@ class SeqState:
 
     def attach(self, seq: int, pages: list[KvPage], n: int) -> None:
         """Load positions [0, n) from `pages` into `seq`, replacing whatever it held."""
-        self.ctx.write_seq_state(seq, self.assemble(pages, n))
+        self.ctx.write_seq_state(seq, self._assemble(pages, n, into_scratch=True))
         self._check_restored(seq, n)
 
-    def attach_streamed(self, seq: int, pages: Iterable[KvPage | None], n: int) -> int:
-        """Load positions [0, n) into `seq` from `pages` (consecutive from position 0) taken one at a
-        time, each written into the blob before the next is taken: a page may be a view of a buffer
-        its source reuses for the next. A model with one KV section only (no sliding window).
-
-        Returns how many pages it took. A None, or pages ending before `n`, stops it: then nothing
-        is loaded and the count is of the pages before it (the caller tries again with fewer)."""
+    def restore(self, n: int) -> "Restore":
+        """A blob of positions [0, n) to be filled page by page, then loaded (`Restore`). A model
+        with one KV section only (no sliding window)."""
         layout = self._layout
         if layout is None or len(layout) != 1:
-            raise StateFormatError("a streamed restore needs one known KV section")
+            raise StateFormatError("a restore page by page needs one known KV section")
         if n < 1:
             raise ValueError("nothing to restore")
-        out = np.empty(_HEADER_BYTES + layout[0].size(n), np.uint8)
+        out = self._blob(_HEADER_BYTES + layout[0].size(n))
         out[:_HEADER_BYTES] = np.frombuffer(self._header, np.uint8)
         slots, end = _lay_section(out, _HEADER_BYTES, layout[0], 0, n)
         assert end == out.size
-        taken = covered = 0
-        for page in pages:
-            if page is None:
-                return taken
-            if page.start != covered:
-                raise ValueError(f"pages must be consecutive from position 0: one starts at {page.start}, not {covered}")
-            slots.fill(slice(page.start, min(page.end, n)), page.tables[0][: n - page.start])
-            taken, covered = taken + 1, page.end
-            if covered >= n:
-                break
-        else:
-            return taken
-        self.ctx.write_seq_state(seq, out)
-        self._check_restored(seq, n)
-        return taken
+        return Restore(self, n, out, slots)
+
+    def _blob(self, nbytes: int) -> np.ndarray:
+        """`nbytes` of the one buffer every blob on its way into or out of llama.cpp passes through,
+        kept and grown to the largest: a restore writes into memory already mapped, not into pages
+        the kernel must first find and zero (a fresh 224 MB blob took 0.25-0.5 s on a VM)."""
+        if self._scratch.size < nbytes and self.reserving is not None:
+            self.reserving.result()  # a reserve under way has mapped part of its buffer: wait for the rest
+            self.reserving = None
+        if self._scratch.size < nbytes:
+            self._scratch = np.empty(0, np.uint8)  # let go of the old one before taking the new
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch[:nbytes]
+
+    def reserve(self, n: int) -> None:
+        """Grow the scratch buffer to a blob of `n` cells and touch each of its pages: the one call
+        safe on another thread than the context's (a restarted server makes it in the background,
+        its future in `reserving`, so its first restore finds the memory mapped). A single KV
+        section only."""
+        layout = self._layout
+        if layout is None or len(layout) != 1:
+            return
+        nbytes = _HEADER_BYTES + layout[0].size(n)
+        if self._scratch.size >= nbytes:
+            return
+        buffer = np.empty(nbytes, np.uint8)
+        buffer[::4096] = 0
+        if self._scratch.size < nbytes:  # the engine may have grown its own meanwhile
+            self._scratch = buffer
 
     def _check_restored(self, seq: int, n: int) -> None:
         last = self.ctx.seq_pos_max(seq)
@@ -425,12 +469,15 @@ class SeqState:
             raise RuntimeError(f"restored positions end at {last}, not {n - 1}")
 
     def assemble(self, pages: list[KvPage], n: int) -> np.ndarray:
-        """The state blob of positions [0, n) of `pages` (consecutive from position 0)."""
+        """The state blob of positions [0, n) of `pages` (consecutive from position 0), in a buffer of its own."""
+        return self._assemble(pages, n, into_scratch=False)
+
+    def _assemble(self, pages: list[KvPage], n: int, into_scratch: bool) -> np.ndarray:
         if self._layout is None:
             raise StateFormatError("no sequence read yet: the layout is unknown")
         spans = enumerate(self._spans(pages, n))
         found = [(0, [_page_rows(p, s, first, n) for p in used]) for s, (first, used) in spans]
-        return self._write(found, self._header)
+        return self._write(found, self._header, into_scratch)
 
     def _spans(self, pages: list[KvPage], n: int) -> list[tuple[int, list[KvPage]]]:
         """Per section: the first position restored and the pages it comes from."""
@@ -462,18 +509,51 @@ class SeqState:
             raise MissingRows(f"sliding-window rows of positions {max(0, n - self.n_swa + 1)}..{first - 1} are gone")
         return first, [p for p in used if p.end > first]
 
-    def _write(self, found: list[tuple[int, list[np.ndarray]]], header: bytes) -> np.ndarray:
+    def _write(self, found: list[tuple[int, list[np.ndarray]]], header: bytes, into_scratch: bool = False) -> np.ndarray:
         """A blob of `found`: per section, (stream index, its rows in the order to write, as tables
-        one after another: each page's rows, copied straight into place)."""
+        one after another: each page's rows, copied straight into place), in the scratch buffer or
+        in one of its own."""
         layout = self._layout
         assert layout is not None
-        out = np.empty(_HEADER_BYTES + sum(s.size(sum(map(len, t))) for s, (_, t) in zip(layout, found)), np.uint8)
+        size = _HEADER_BYTES + sum(s.size(sum(map(len, t))) for s, (_, t) in zip(layout, found))
+        out = self._blob(size) if into_scratch else np.empty(size, np.uint8)
         out[:_HEADER_BYTES] = np.frombuffer(header, np.uint8)
         at = _HEADER_BYTES
         for section, (stream, tables) in zip(layout, found):
             at = _write_section(out, at, section, stream, tables)
         assert at == out.size
         return out
+
+
+class Restore:
+    """A blob of positions [0, n) being filled, then loaded into a sequence. Each page fills its own
+    rows (`fill` from a page in memory, `put` from its bytes as read from disk), in any order and
+    from any thread; `load` runs on the context's thread once every page is in."""
+
+    def __init__(self, state: SeqState, n: int, blob: np.ndarray, slots: "_Slots") -> None:
+        self.state, self.n, self.blob, self.slots = state, n, blob, slots
+
+    def fill(self, page: KvPage) -> None:
+        """Copy the rows of `page` below `n` into place."""
+        if page.start < self.n:
+            self.slots.fill(slice(page.start, min(page.end, self.n)), page.tables[0][: self.n - page.start])
+
+    def put(self, data: bytes | memoryview | np.ndarray, start: int, n_rows: int) -> None:
+        """Copy the rows below `n` of the page `page_bytes` wrote as `data` (of `n_rows` positions
+        from `start`) into place; StateFormatError, nothing copied, where it is not such a page."""
+        raw = np.frombuffer(data, np.uint8)
+        section = self.slots.section
+        n_head = 4 * 5  # u32 start, n_rows, n_tables, then the table's rows and width
+        if raw.size != n_head + n_rows * section.width:
+            raise StateFormatError("a page whose size does not fit this context's layout")
+        self.state._page_head(raw[:n_head], start, n_rows)
+        if start < self.n:
+            self.slots.put(slice(start, min(start + n_rows, self.n)), raw[n_head:], n_rows)
+
+    def load(self, seq: int) -> None:
+        """Replace `seq`'s memory with positions [0, n)."""
+        self.state.ctx.write_seq_state(seq, self.blob)
+        self.state._check_restored(seq, self.n)
 
 
 def _write_section(out: np.ndarray, at: int, section: _Section, stream: int, tables: list[np.ndarray]) -> int:
@@ -507,6 +587,24 @@ class _Slots:
             else:
                 dest[rows] = cells
             col += block.row_bytes
+
+
+    def put(self, rows: slice, columns: np.ndarray, n_rows: int) -> None:
+        """Write the first rows of a page's `columns` (`page_bytes`' layout: each column of its
+        `n_rows` rows in turn) into the cells `rows`."""
+        k = rows.stop - rows.start
+        self.meta[rows] = columns[: n_rows * self.section.meta_bytes].reshape(n_rows, -1)[:k]
+        at = n_rows * self.section.meta_bytes
+        if self.every_block is not None:  # one copy for the page, not one per block
+            self.every_block[:, rows] = columns[at:].reshape(len(self.blocks), n_rows, -1)[:, :k]
+            return
+        for block, dest in zip(self.section.blocks, self.blocks):
+            cells = columns[at : at + n_rows * block.row_bytes].reshape(n_rows, block.row_bytes)[:k]
+            if block.n_embd:
+                dest[:, rows] = cells.reshape(k, block.n_embd, -1).transpose(1, 0, 2)
+            else:
+                dest[rows] = cells
+            at += n_rows * block.row_bytes
 
 
 def _lay_section(out: np.ndarray, at: int, section: _Section, stream: int, n: int) -> tuple[_Slots, int]:
