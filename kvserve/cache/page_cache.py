@@ -113,7 +113,8 @@ class PageCache(PrefixCache):
         if tiers.disk is not None:
             self.rows.learn_layout(0, max(ctx.model.bos, 0))  # disk pages restore before any donation
             if len(tiers.disk):  # a restart: the blob its first restore from disk needs, mapped meanwhile
-                self.rows.reserving = self._reader.submit(self.rows.reserve, min(len(tiers.disk) * page_rows, ctx.n_ctx_seq))
+                cells = min(len(tiers.disk) * page_rows, ctx.n_ctx_seq)
+                self.rows.reserving = self._reader.submit(self.rows.reserve, cells)
 
     @property
     def held_pages(self) -> int:

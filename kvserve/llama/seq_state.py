@@ -23,9 +23,9 @@ Invariants:
 - the layout (sections, metadata size, each layer's row sizes) is learned from the first blob read and
   checked by writing that blob back byte for byte; a blob that does not fit it raises StateFormatError.
 - memory: a blob on its way into or out of llama.cpp passes through one buffer, kept and grown to
-  the largest so far (at most one sequence's whole context): a restore writes into memory already
-  mapped. `reserve` grows it ahead of need from another thread; nothing else here leaves the
-  context's thread, except a `Restore`'s pages, each written to its own rows.
+  the largest so far (at most one sequence's whole context, and 1 GiB), so a restore writes into
+  memory already mapped. `reserve` grows it ahead of need from another thread; nothing else here
+  leaves the context's thread, except a `Restore`'s pages, each written to its own rows.
 
 Sliding-window models: for one sequence, `state_write` leaves out the cells its SWA layers no longer
 attend, so a blob of L tokens holds SWA rows only for its last window (the base layers hold all L).
@@ -59,6 +59,7 @@ _CELL_BYTES = 12  # i32 pos, u32 n_seq, i32 seq
 _EXT_BYTES = 12  # llama_kv_cell_ext: i32 x, i32 y, i32 token
 _BLOCK_HEAD_BYTES = 12  # i32 type and u64 row bytes, or i32 type, u32 element bytes and u32 n_embd_v
 _MAX_GGML_TYPE = 64
+_KEPT_BYTES = 1 << 30  # the most the blob buffer kept between restores grows to
 
 
 class StateFormatError(ValueError):
@@ -436,15 +437,19 @@ class SeqState:
 
     def _blob(self, nbytes: int) -> np.ndarray:
         """`nbytes` of the one buffer every blob on its way into or out of llama.cpp passes through,
-        kept and grown to the largest: a restore writes into memory already mapped, not into pages
-        the kernel must first find and zero (a fresh 224 MB blob took 0.25-0.5 s on a VM)."""
+        kept and grown to the largest up to `_KEPT_BYTES`: a restore writes into memory already
+        mapped, not into pages the kernel must first find and zero (a fresh 224 MB blob took 0.25-0.5
+        s on a VM). A larger blob gets a buffer of its own, let go after it."""
         if self._scratch.size < nbytes and self.reserving is not None:
             self.reserving.result()  # a reserve under way has mapped part of its buffer: wait for the rest
             self.reserving = None
-        if self._scratch.size < nbytes:
-            self._scratch = np.empty(0, np.uint8)  # let go of the old one before taking the new
-            self._scratch = np.empty(nbytes, np.uint8)
-        return self._scratch[:nbytes]
+        if self._scratch.size >= nbytes:
+            return self._scratch[:nbytes]
+        if nbytes > _KEPT_BYTES:
+            return np.empty(nbytes, np.uint8)
+        self._scratch = np.empty(0, np.uint8)  # let go of the old one before taking the new
+        self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch
 
     def reserve(self, n: int) -> None:
         """Grow the scratch buffer to a blob of `n` cells and touch each of its pages: the one call
@@ -454,7 +459,7 @@ class SeqState:
         layout = self._layout
         if layout is None or len(layout) != 1:
             return
-        nbytes = _HEADER_BYTES + layout[0].size(n)
+        nbytes = min(_HEADER_BYTES + layout[0].size(n), _KEPT_BYTES)
         if self._scratch.size >= nbytes:
             return
         buffer = np.empty(nbytes, np.uint8)
