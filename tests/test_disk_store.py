@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvserve.cache.disk_store import (
-    MAGIC, SUFFIX, TMP_SUFFIX, DiskEntry, DiskLocked, DiskStore, decode_header, encode_header, header_size,
+    MAGIC, SUFFIX, TMP_SUFFIX, VERSION, DiskEntry, DiskLocked, DiskStore, decode_header, encode_header, header_size,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -352,11 +353,13 @@ def test_a_valid_file_under_a_foreign_name_is_refused_at_scan(tmp_path: Path) ->
         assert store.stats().refused == 1 and len(store) == 0 and files_on_disk(tmp_path) == {}
 
 
-def raw_file(key: bytes, payload: bytes, *, version: int = 1, tag: bytes = b"", parent: bytes = SEED) -> bytes:
+def raw_file(key: bytes, payload: bytes, *, version: int = VERSION, tag: bytes = b"", parent: bytes = SEED) -> bytes:
     """A page file written by hand, checksum right, with what the store would never write."""
     body = b"".join((MAGIC, struct.pack("<I32s32s32sI", version, key, parent, SEED, 2), struct.pack("<2i", 7, 8),
                      struct.pack("<H", len(tag)), tag, struct.pack("<Q", len(payload)), payload))
-    return body + struct.pack("<I", zlib.crc32(body))
+    if version == 1:  # the first format's checksum
+        return body + struct.pack("<I", zlib.crc32(body))
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
 def test_the_scan_drops_junk_and_leftovers(tmp_path: Path) -> None:
@@ -367,7 +370,8 @@ def test_the_scan_drops_junk_and_leftovers(tmp_path: Path) -> None:
         "random": lambda key: os.urandom(300),
         "empty": lambda key: b"",
         "magic only": lambda key: MAGIC,
-        "version 2": lambda key: raw_file(key, b"payload", version=2),
+        "the next version": lambda key: raw_file(key, b"payload", version=VERSION + 1),
+        "version 1, its CRC-32 right": lambda key: raw_file(key, b"payload", version=1),
         "tag not utf-8": lambda key: raw_file(key, b"payload", tag=b"\xff\xfe"),
         "one byte more": lambda key: raw_file(key, b"payload") + b"\0",
     }
@@ -549,7 +553,7 @@ def test_full_queue_drops_writes(tmp_path: Path) -> None:
 
 
 def store_header(n_tokens: int) -> int:
-    return header_size(n_tokens, 0) + 4  # a page without a tag: its header and checksum
+    return header_size(n_tokens, 0) + 8  # a page without a tag: its header and checksum (u64)
 
 
 def test_a_queued_page_is_written_once_and_replace_takes_the_latest(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ A page file, integers little-endian:
 
     magic b"KVSPAGE\\0" | u32 version | key, parent, seed (32 bytes each) | u32 n_tokens |
     n_tokens x i32 tokens | u16 tag length | tag (utf-8) | u64 payload length | payload |
-    u32 zlib.crc32 of everything before it
+    u64 XXH3-64 of everything before it
 
 Invariants:
 - budget: the indexed files' sizes plus the size of the one file the writer is writing (reserved
@@ -55,17 +55,17 @@ import os
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+import xxhash
 
 _log = logging.getLogger("kvserve.cache")
 
 MAGIC = b"KVSPAGE\0"
-VERSION = 1
+VERSION = 2  # 2: the checksum is XXH3-64 (a CRC-32 in 1)
 KEY_BYTES = 32
 MAX_TAG_BYTES = 255
 SUFFIX = ".page"
@@ -74,7 +74,7 @@ TMP_SUFFIX = ".page.tmp"
 _FIXED = struct.Struct("<8sI32s32s32sI")  # magic, version, key, parent, seed, n_tokens
 _TAG_LEN = struct.Struct("<H")
 _PAYLOAD_LEN = struct.Struct("<Q")
-_CRC = struct.Struct("<I")
+_SUM = struct.Struct("<Q")
 _HEAD_READ = 4096  # bytes read at once to parse a header (more only for pages of over ~950 tokens)
 _DIR_SYNC_SECONDS = 5.0  # most time between directory fsyncs while the writer is busy (each costs a journal commit)
 
@@ -99,7 +99,7 @@ class DiskEntry:
     @property
     def file_bytes(self) -> int:
         """The whole file's size: header, payload and checksum."""
-        return header_size(len(self.tokens), len(self.tag.encode())) + self.nbytes + _CRC.size
+        return header_size(len(self.tokens), len(self.tag.encode())) + self.nbytes + _SUM.size
 
 
 @dataclass(frozen=True)
@@ -428,9 +428,10 @@ class DiskStore:
                 _read_into(f, payload)
             else:
                 payload = _read_exact(f, entry.nbytes)
-            tail = _read_exact(f, _CRC.size)
-        crc = zlib.crc32(payload, zlib.crc32(memoryview(head)[:hlen]))
-        if _CRC.unpack(tail)[0] != crc:
+            tail = _read_exact(f, _SUM.size)
+        digest = xxhash.xxh3_64(memoryview(head)[:hlen])
+        digest.update(payload)
+        if _SUM.unpack(tail)[0] != digest.intdigest():
             raise _BadFile("checksum mismatch")
         return payload
 
@@ -477,7 +478,7 @@ class DiskStore:
                 return False
             if nbytes is None:
                 nbytes = self._payload_bytes // self._writes if self._writes else 0
-            estimate = header_size(len(tokens), len(tag.encode())) + nbytes + _CRC.size
+            estimate = header_size(len(tokens), len(tag.encode())) + nbytes + _SUM.size
             if self._queued_bytes + estimate > self.queue_bytes:
                 self._dropped += 1
                 return False
@@ -564,13 +565,13 @@ class DiskStore:
         tmp = final.with_name(final.name[: -len(SUFFIX)] + TMP_SUFFIX)
         try:
             header = encode_header(entry)  # raises on a token outside int32
-            crc = zlib.crc32(header)
+            digest = xxhash.xxh3_64(header)
             with open(tmp, "wb") as f:
                 f.write(header)
                 for view in views:
                     f.write(view)
-                    crc = zlib.crc32(view, crc)
-                f.write(_CRC.pack(crc))
+                    digest.update(view)
+                f.write(_SUM.pack(digest.intdigest()))
                 f.flush()
                 os.fsync(f.fileno())
             with self._lock:
@@ -746,7 +747,7 @@ def _read_head(f, size: int) -> tuple[DiskEntry, bytes, int]:  # type: ignore[no
         f.seek(0)
         head = f.read(min(size, header_size(n_tokens, MAX_TAG_BYTES)))
         entry, hlen = decode_header(head)
-    expected = hlen + entry.nbytes + _CRC.size
+    expected = hlen + entry.nbytes + _SUM.size
     if size != expected:
         raise _BadFile(f"{size} bytes where the header says {expected}")
     return entry, head, hlen
