@@ -215,11 +215,11 @@ class SeqState:
         if self._layout is None:
             raise StateFormatError("no layout learned yet")
         raw = np.frombuffer(data, np.uint8)
-        n_head = 3 + 2 * len(self._layout)
-        if raw.size < 4 * n_head:
+        n_head = self.page_head_bytes
+        if raw.size < n_head:
             raise StateFormatError("a page shorter than its header")
-        counts = self._page_head(raw[: 4 * n_head], start, n_rows)
-        tables, at = [], 4 * n_head
+        counts = self._page_head(raw[:n_head], start, n_rows)
+        tables, at = [], n_head
         for section, rows in zip(self._layout, counts):
             table = np.empty((rows, section.width), np.uint8)
             for lo, hi in section.columns():
@@ -232,6 +232,13 @@ class SeqState:
         if at != raw.size:
             raise StateFormatError("a page with bytes past its tables")
         return KvPage(start, n_rows, tuple(tables))
+
+    @property
+    def page_head_bytes(self) -> int:
+        """The bytes of a page's head as `page_bytes` writes it: u32 start, n_rows, n_tables, then
+        each table's row count and width."""
+        assert self._layout is not None
+        return 4 * (3 + 2 * len(self._layout))
 
     def _page_head(self, head: np.ndarray, start: int, n_rows: int) -> list[int]:
         """The row count of each table a page's head announces; StateFormatError unless it is a page
@@ -253,7 +260,7 @@ class SeqState:
         (tables of width 0), enough for `restorable` to say whether it restores a prefix."""
         if self._layout is None:
             raise StateFormatError("no layout learned yet")
-        body = nbytes - 4 * (3 + 2 * len(self._layout))
+        body = nbytes - self.page_head_bytes
         counts = [n_rows] * len(self._layout)
         if len(self._layout) == 2:
             rest = body - n_rows * self._layout[0].width
@@ -548,7 +555,7 @@ class Restore:
         from `start`) into place; StateFormatError, nothing copied, where it is not such a page."""
         raw = np.frombuffer(data, np.uint8)
         section = self.slots.section
-        n_head = 4 * 5  # u32 start, n_rows, n_tables, then the table's rows and width
+        n_head = self.state.page_head_bytes
         if raw.size != n_head + n_rows * section.width:
             raise StateFormatError("a page whose size does not fit this context's layout")
         self.state._page_head(raw[:n_head], start, n_rows)
@@ -586,13 +593,8 @@ class _Slots:
             self.every_block[:, rows] = table[:, col:].reshape(shape).transpose(1, 0, 2)
             return
         for block, dest in zip(self.section.blocks, self.blocks):
-            cells = _block_view(table, col, block)
-            if block.n_embd:
-                dest[:, rows] = cells.transpose(1, 0, 2)
-            else:
-                dest[rows] = cells
+            self._put_block(block, dest, rows, table[:, col : col + block.row_bytes])
             col += block.row_bytes
-
 
     def put(self, rows: slice, columns: np.ndarray, n_rows: int) -> None:
         """Write the first rows of a page's `columns` (`page_bytes`' layout: each column of its
@@ -604,12 +606,17 @@ class _Slots:
             self.every_block[:, rows] = columns[at:].reshape(len(self.blocks), n_rows, -1)[:, :k]
             return
         for block, dest in zip(self.section.blocks, self.blocks):
-            cells = columns[at : at + n_rows * block.row_bytes].reshape(n_rows, block.row_bytes)[:k]
-            if block.n_embd:
-                dest[:, rows] = cells.reshape(k, block.n_embd, -1).transpose(1, 0, 2)
-            else:
-                dest[rows] = cells
+            self._put_block(block, dest, rows, columns[at : at + n_rows * block.row_bytes].reshape(n_rows, -1)[:k])
             at += n_rows * block.row_bytes
+
+    @staticmethod
+    def _put_block(block: _Block, dest: np.ndarray, rows: slice, cells: np.ndarray) -> None:
+        """Write one block's rows of the cells `rows` (`cells`: one row of bytes each) into `dest`,
+        gathered per element where V is stored transposed."""
+        if block.n_embd:
+            dest[:, rows] = cells.reshape(len(cells), block.n_embd, -1).transpose(1, 0, 2)
+        else:
+            dest[rows] = cells
 
 
 def _lay_section(out: np.ndarray, at: int, section: _Section, stream: int, n: int) -> tuple[_Slots, int]:
