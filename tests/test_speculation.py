@@ -66,7 +66,7 @@ def served(smollm2, mode: str, flash_attn: str, make, rounds: int = 1, **overrid
 class _CheapTokens(UbatchCost):
     """A step that costs about the same whatever its tokens and ubatches."""
 
-    def step(self, sizes: list[int], keys: int = 0) -> float:
+    def step(self, sizes: list[int], keys: int = 0, bid: bool = False) -> float:
         return 0.05 + 0.0001 * sum(sizes)
 
     def observe(self, sizes: list[int], seconds: float, keys: int = 0) -> None:

@@ -212,6 +212,33 @@ def test_auto_drafts_nothing_until_its_step_is_priced() -> None:
     assert drafted() == 8 and speculator.describe()["ubatch_to_time"] == []
 
 
+def test_auto_tries_a_size_its_start_priced_too_high_and_drafts_at_its_learnt_price() -> None:
+    """Sizes 6 and up timed 1.5x too slow at start, then honest steps, one sure prediction: at its
+    start-up prices `auto` would draft 4 tokens (a ubatch of 5) for ever, since nothing samples a
+    size it never drafts at. Bid low until tried, 17 is tried, learnt honest and kept, the
+    draft an honest table picks; with sizes bid at their price (a mutation) this fails."""
+    honest = {n: 0.03 + 0.015 * n for n in range(1, 65)}
+    speculator = Speculator(SpecConfig(SpecMode.AUTO, draft_max=16), None, can_cut=True)
+    speculator.cost.calibrate({n: t * (1.5 if n >= 6 else 1.0) for n, t in honest.items()})
+
+    def drafted() -> int:
+        state = SpecState(Sequence(list(range(40)), 40, prediction=list(range(40, 80))))
+        state.evidence["prediction"] = Evidence(1000, 1000)
+        return len(speculator.choose([(state, 30)], n_other=0)[0][0])
+
+    first = drafted()
+    chosen = []
+    for _ in range(4 * LEARNT):
+        k = drafted()
+        chosen.append(k)
+        speculator.timed([1 + k], honest[1 + k], 0, [])
+    assert chosen[-1] == 16 and speculator.cost.ubatch(17) == honest[17], (first, chosen, speculator.cost.entries())
+    assert speculator.cost.entries()[17][1] >= LEARNT
+
+    neutral = UbatchCost({n: t * (1.5 if n >= 6 else 1.0) for n, t in honest.items()})
+    assert min(range(1, 18), key=lambda n: neutral.ubatch(n) / n) == 5  # what its start priced best
+
+
 SMALL = dict(ctx_size=512, parallel=4, batch_size=256, threads=1)
 
 

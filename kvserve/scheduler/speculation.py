@@ -381,11 +381,12 @@ class Speculator:
     def _seconds(self, seqs: list[int], n_past: list[int], drafts: list[int], n_other: int) -> float:
         """What a step costs that decodes `seqs`, each its last token and its draft after `n_past`
         evaluated tokens, and `n_other` prompt tokens (in ubatches of their own; their keys are the
-        same whatever the drafts, and left out)."""
+        same whatever the drafts, and left out). The decodes' sizes are at their bids
+        (`UbatchCost.bid`: a size no step priced yet is tried)."""
         sizes = ubatch_sizes([(seq, 1 + k) for seq, k in zip(seqs, drafts)], self.n_ubatch)
         full, rest = divmod(n_other, self.n_ubatch)
         keys = sum(attended_keys(n, 1 + k) for n, k in zip(n_past, drafts))
-        return self.cost.step(sizes + [self.n_ubatch] * full + ([rest] if rest else []), keys)
+        return self.cost.step(sizes, keys, bid=True) + self.cost.step([self.n_ubatch] * full + ([rest] if rest else []))
 
     def _draft_with_model(self, candidates: list[tuple[SpecState, int]], proposals: list[Proposal]) -> None:
         """The draft model's guesses, in one batch, for the candidates without a proposal (mode

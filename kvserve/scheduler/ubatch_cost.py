@@ -26,6 +26,15 @@ Nor above a larger size's price: served beside another server's start, one start
 16-token ubatches at 3.95 s where 8 learnt 0.21 and 32 was timed at 0.73, and a size priced that
 high is never drafted at, so no step would ever have sampled it back down.
 
+A price too high is never drafted at, so no step samples it back down: on one box `auto`'s start
+priced ubatches of 8 to 64 tokens 20-70% above what the steps of servers drafting at them learnt
+(8: 0.32 s against 0.26; 16: 0.47 against 0.35), and drafted 3.6 tokens a draft at 96% acceptance. So
+`auto` bids (`bid`, `step(..., bid=True)`) a size that no step has priced yet at `UNTRIED` of its
+price, in its first `TRIES` steps: a size a little too dear for a draft gets tried, and `LEARNT`
+steps of it put its price right. Where the bid was wrong, those few steps cost at most 1 / `UNTRIED`
+of what was weighed; a size steps carry without ever pricing (always beside another unpriced one)
+stops being bid low after `TRIES` of them.
+
 Timing every size while the server loaded held /health back (a 0.5B on 2 shared cores: 14 to 52 s
 against 4 to 6 s without), so the sizes given as `to_time` are timed while the engine idles, one at
 a time, smallest first (`next_to_time`, `add_timings`; `Scheduler.idle`): a request that arrives
@@ -50,7 +59,9 @@ Invariants:
   than its size's last `WINDOW`;
 - `per_key` >= 0, whatever the steps observed, and reads only steps' seconds and keys;
 - `step` is finite exactly where each of its sizes is `priced`; a size is to be timed (`untimed`)
-  only while it is neither timed, tried, nor learnt.
+  only while it is neither timed, tried, nor learnt;
+- `bid(n)` is `ubatch(n)`, but `UNTRIED` of it while `n` is not learnt and fewer than `TRIES` steps
+  carried it.
 """
 
 from __future__ import annotations
@@ -72,6 +83,9 @@ LEARNT = 3
 # from pairs whose keys differ by at least MIN_SPREAD of the larger.
 REFIT = 8
 MIN_SPREAD = 0.2
+# A size not learnt is bid at UNTRIED of its price until TRIES steps carried it (see above).
+UNTRIED = 0.7
+TRIES = 2 * LEARNT
 
 
 def attended_keys(n_past: int, n_decoded: int) -> int:
@@ -93,6 +107,7 @@ class UbatchCost:
         self.samples: dict[int, deque[float]] = {}
         self._learnt: dict[int, float] = {}  # the price of each size with LEARNT samples
         self._sampled_at: dict[int, int] = {}  # the step each size was last sampled at
+        self._tries: dict[int, int] = {}  # the steps that carried each size not learnt
         self._steps = 0
         self._load = 1.0  # what the learnt sizes measured over their start-up timing (median)
         self._prices: dict[int, float] = {}  # `ubatch` of each size asked since the prices last changed
@@ -108,6 +123,7 @@ class UbatchCost:
         self._sizes = sorted(self.table)
         self.untimed = set()
         self.samples, self._learnt, self._sampled_at, self._load, self._prices = {}, {}, {}, 1.0, {}
+        self._tries = {}
         self._points, self.per_key = {}, 0.0
 
     def next_to_time(self) -> int | None:
@@ -176,12 +192,18 @@ class UbatchCost:
         learnt = self._learnt.get(n)
         return learnt if learnt is not None else self.prior(n) * self._load
 
-    def step(self, sizes: list[int], keys: int = 0) -> float:
-        """Seconds of a step of ubatches of `sizes` whose tokens attend to `keys` keys in all; without
-        end while a size of it is not `priced`."""
+    def bid(self, n: int) -> float:
+        """What `auto` weighs a ubatch of `n` tokens at: its price, `UNTRIED` of it while no step has
+        priced the size and fewer than `TRIES` steps carried it."""
+        price = self.ubatch(n)
+        return price if n in self._learnt or self._tries.get(n, 0) >= TRIES else price * UNTRIED
+
+    def step(self, sizes: list[int], keys: int = 0, bid: bool = False) -> float:
+        """Seconds of a step of ubatches of `sizes` whose tokens attend to `keys` keys in all (each
+        size at its `bid` where asked); without end while a size of it is not `priced`."""
         if self.untimed and not all(self.priced(n) for n in sizes):
             return math.inf
-        return sum(self.ubatch(n) for n in sizes) + self.per_key * keys
+        return sum(map(self.bid if bid else self.ubatch, sizes)) + self.per_key * keys
 
     def entries(self) -> dict[int, tuple[float, int]]:
         """The price of each size timed at start or sampled since, and how many samples back it."""
@@ -193,6 +215,8 @@ class UbatchCost:
         if not sizes or seconds <= 0:
             return
         self._steps += 1
+        for n in set(sizes).difference(self._learnt):
+            self._tries[n] = self._tries.get(n, 0) + 1
         if len(set(sizes)) == 1:  # a step of one size: a point of its seconds against its keys
             count = len(sizes)
             self._points.setdefault(sizes[0], deque(maxlen=WINDOW)).append((keys / count, seconds / count))
