@@ -103,7 +103,10 @@ def test_pages_host_memory_cannot_keep_still_reach_the_disk(smollm2: Path, tmp_p
 def test_a_damaged_page_ends_the_run_read_from_disk(smollm2: Path, tmp_path: Path) -> None:
     """A restart reads its run of pages from disk straight into the stream; a damaged file in the
     middle of the run ends it there: the pages before it attach, equal to scratch, the file is
-    removed, and as the request ends every page is in host memory (those read, then the rest)."""
+    removed (and written again once its page is computed). As the request ends, a reading thread
+    reads the pages on disk into host memory, and the engine thread takes them in (`settle`), then
+    the rest: not before (a mutation that reads them on the engine thread as the request ends
+    fails)."""
     with disk_engine(smollm2, tmp_path) as e:
         prompt = e.model.tokenize(TEXT, add_special=True)
         run_traced(e, [traced(prompt)])
@@ -118,8 +121,12 @@ def test_a_damaged_page_ends_the_run_read_from_disk(smollm2: Path, tmp_path: Pat
         request = traced(prompt)
         out = run_traced(e, [request])[request.id]
         assert request.state.cached_tokens == 3 * 16
-        assert e.cache.tiers.disk.stats().refused == 1 and not damaged.exists()
-        assert e.cache.stats().held_pages >= len(keys)
+        assert e.cache.tiers.disk.stats().refused == 1
+        assert e.cache.stats().held_pages == 0 and e.cache.pending()
+        e.cache.settle(timeout=None)
+        assert e.cache.stats().held_pages >= len(keys) and not e.cache.pending()
+        assert e.cache.tiers.disk.flush(30)
+        assert damaged.read_bytes() != bytes(data)  # removed, then written again as computed
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
 
 

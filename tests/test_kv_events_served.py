@@ -18,8 +18,12 @@ PAGE = 16
 
 
 def _caught_up(app, subscriber: Subscriber) -> None:
-    """Wait until the disk has written what was queued and the subscriber applied every batch sent."""
-    persistence = app.state.models.persistence
+    """Wait until the cache took in the pages it read from disk off the engine thread, the disk has
+    written what was queued and the subscriber applied every batch sent."""
+    persistence, cache = app.state.models.persistence, app.state.models.only.cache
+    deadline = time.monotonic() + 30
+    while cache.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert persistence.disk.flush(30)
     deadline = time.monotonic() + 10
     while persistence.publisher.stats()["queued"] and time.monotonic() < deadline:

@@ -29,10 +29,14 @@ rewrites it there. A prompt
 matches the tree's pages, then the run of keys that follow them on disk; each file is checked by the
 store, then against this context's layout (a page that fails either is discarded and ends the run,
 never attached). Attach reads each file of the run straight into its rows' places in the state
-blob (`SeqState.restore`), on two threads; the session's last insert, as it ends, reads the
-pages into the tree and the host store, as if donated (those the host budget cannot take stay on disk
-only), so nothing read from disk is copied into host memory before the first token. A sliding-window
-model reads them into the tree and the host store at attach, its window checked first.
+blob (`SeqState.restore`), on two threads. Nothing read from disk is copied into host memory before
+the first token, nor on the engine thread: the session's last insert, as it ends, donates only the
+pages after the run, and has a reading thread read the run into host memory (`_promote`); the engine
+thread takes them into the tree and the host store, as if donated, then the pages after them, when
+the read is done (`settle`: at the next attach or insert, or while the engine idles). Those the host
+budget cannot take stay on disk only; a run whose pages before it left host memory meanwhile stays
+on disk. A sliding-window model reads them into the tree and the host store at attach, its window
+checked first.
 Pages evicted from host memory stay on disk. Each page entering or leaving host memory is an event
 (`Tiers.events`); the disk store announces its own.
 """
@@ -40,7 +44,7 @@ Pages evicted from host memory stay on disk. Each page entering or leaving host 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +86,18 @@ class Chain:
         }
 
 
+@dataclass
+class _Promotion:
+    """A run of pages read from disk into host memory off the engine thread, as a session ending
+    asked: the pages of `keys`, page `first` on of `key`, then `tail` (donated from the session)."""
+    preview: str
+    key: PrefixKey
+    first: int
+    keys: list[bytes]
+    tail: list[KvPage]
+    read: Future  # of (the pages read, from the first; the key of a file refused, or None)
+
+
 class PageCache(PrefixCache):
     """Pages of donated prefixes in host memory, within the store's byte budget."""
 
@@ -107,6 +123,7 @@ class PageCache(PrefixCache):
         self._next_chain = 1
         self._reader = ThreadPoolExecutor(2, thread_name_prefix="kvserve-disk-read")
         self._thread = threading.local()  # each reading thread's buffer for the pages it reads
+        self._promotions: list[_Promotion] = []  # runs read from disk, waiting for `settle`
         self.windows_filled = 0  # windows read alone into pages already cached (PARTIAL_ONLY)
         self.tiers = tiers
         self.disk_refused = 0  # pages read from disk that did not fit this context's layout
@@ -198,6 +215,7 @@ class PageCache(PrefixCache):
         """Set the longest cached run of whole pages of `key` into an empty session's stream, all but
         the prompt's last token."""
         self.check_attachable(session, key)
+        self.settle()
         path, on_disk = self._match(key)
         self._queried_tokens += len(key.tokens)
         if on_disk and not self.rows.n_swa:
@@ -240,11 +258,7 @@ class PageCache(PrefixCache):
         assert disk is not None
 
         def read(i: int) -> str:
-            buffer = getattr(self._thread, "buffer", None)
-            nbytes = entry.nbytes if (entry := disk.entry(keys[i])) else 0
-            if buffer is None or buffer.size < nbytes:
-                buffer = self._thread.buffer = np.empty(nbytes, np.uint8)
-            data = disk.get(keys[i], into=buffer)
+            data = self._read_file(keys[i])
             if data is None:
                 return "missing"
             try:
@@ -265,6 +279,17 @@ class PageCache(PrefixCache):
             for done in reads:
                 done.cancel()
             wait(reads)  # no read may still write into a blob the next restore reuses
+
+    def _read_file(self, page_key_: bytes) -> memoryview | None:
+        """A page file's checked bytes, read through this thread's own buffer (valid until its next
+        read), or None: missing, or refused by the store."""
+        disk = self.tiers.disk
+        assert disk is not None
+        buffer = getattr(self._thread, "buffer", None)
+        nbytes = entry.nbytes if (entry := disk.entry(page_key_)) else 0
+        if buffer is None or buffer.size < nbytes:
+            buffer = self._thread.buffer = np.empty(nbytes, np.uint8)
+        return disk.get(page_key_, into=buffer)
 
     def _page_read(self, page_key_: bytes, data: bytes | memoryview | None, index: int) -> KvPage | None:
         """The page `disk.get` read for the `index`-th page of a prompt, checked against this context's
@@ -323,12 +348,14 @@ class PageCache(PrefixCache):
         Pages already cached are not stored twice: only the rows of the new pages are copied out of
         the stream. The donated pages stay locked while the session lives. Every page goes least
         recently used first, whatever its `kind`. Pages that do not fit the budget are not kept.
-        Where pages after those in host memory are on disk, they are read into it from there, and
-        only when the session is `ending`: before, nothing after them is donated (a prompt attached
-        from disk pays no read into host memory before its first token).
+        Where pages after those in host memory are on disk, nothing after them is donated before
+        the session is `ending` (a prompt attached from disk pays no read into host memory before its
+        first token); as it ends, the pages after the run are donated and written to disk, and a
+        reading thread reads the run into host memory (`_promote`, stored by `settle`).
         """
         if session.tokens[: len(tokens)] != tuple(tokens):
             raise ValueError("insert takes tokens the session has evaluated, in order")
+        self.settle()
         chain = self._donate(session, tokens, preview, ending)
         if self.rows.n_swa and len(tokens) == session.n_past and len(tokens) % self.page_rows == 0:
             self._keep_window(session, len(tokens))
@@ -343,16 +370,12 @@ class PageCache(PrefixCache):
             self.store.touch(node)
         on_disk = [] if self.rows.n_swa else self._disk_run(key, path, n_pages)
         if on_disk:
-            if not ending:
-                return None
-            added, unkept = self._read_disk(session, key, path, on_disk)
-            path = path + added
-            if unkept and len(added) + len(unkept) == len(on_disk):  # host memory is full: the rest to disk alone
-                start = len(path) + len(unkept)
-                if start < n_pages:
-                    pages = self.rows.donate(session.seq, self.page_rows, start, n_pages - start)
-                    self._write_unkept(session.namespace, on_disk[-1], tokens, pages)
-                return None
+            if ending:
+                start = len(path) + len(on_disk)
+                tail = self.rows.donate(session.seq, self.page_rows, start, n_pages - start) if start < n_pages else []
+                self._write_unkept(session.namespace, on_disk[-1], tokens, tail)
+                self._promote(preview, key, len(path), on_disk, tail)
+            return None
         if len(path) == n_pages:
             return None
         pages = self.rows.donate(session.seq, self.page_rows, len(path), n_pages - len(path))
@@ -406,6 +429,70 @@ class PageCache(PrefixCache):
             self.chains[chain.id] = chain
             chain.path = path + added
         return added, pages[len(added):]
+
+    def _promote(self, preview: str, key: PrefixKey, first: int, keys: list[bytes], tail: list[KvPage]) -> None:
+        """Have a reading thread read the run of `keys` (page `first` on of `key`) into host memory,
+        no more than the host budget; `settle` stores them, then `tail`. A run already on its way is
+        not read twice."""
+        if any(job.keys[0] == keys[0] for job in self._promotions):
+            return
+        read = self._reader.submit(self._read_run, keys, first, self.store.budget_bytes)
+        self._promotions.append(_Promotion(preview[:80], key, first, keys, tail, read))
+
+    def _read_run(self, keys: list[bytes], first: int, budget: int) -> tuple[list[KvPage], bytes | None]:
+        """(On a reading thread.) The pages of `keys`, from the first, until one is missing, refused
+        (its key returned) or past `budget` bytes in all."""
+        pages: list[KvPage] = []
+        nbytes = 0
+        for i, page_key_ in enumerate(keys):
+            data = self._read_file(page_key_)
+            if data is None:
+                break
+            try:
+                page = self.rows.page_from_bytes(data, (first + i) * self.page_rows, self.page_rows)
+            except StateFormatError:
+                return pages, page_key_
+            nbytes += page.nbytes
+            if nbytes > budget:
+                break
+            pages.append(page)
+        return pages, None
+
+    def pending(self) -> bool:
+        return bool(self._promotions)
+
+    def settle(self, timeout: float | None = 0) -> None:
+        """Store the runs read from disk whose reads are done (after waiting up to `timeout` seconds
+        for them, None: for all): each under the pages before it, as if donated, then its tail."""
+        if not self._promotions:
+            return
+        wait([job.read for job in self._promotions], timeout)
+        done = [job for job in self._promotions if job.read.done()]
+        self._promotions = [job for job in self._promotions if not job.read.done()]
+        for job in done:
+            pages, refused = job.read.result() if job.read.exception() is None else ([], None)
+            if refused is not None:
+                self._refused(refused)
+            self._store_promoted(job, pages + (job.tail if len(pages) == len(job.keys) else []))
+
+    def _store_promoted(self, job: _Promotion, pages: list[KvPage]) -> None:
+        """Store `pages` (page `job.first` on) under the tree's path before them, those not there yet;
+        nothing if that path is shorter now (its pages left host memory meanwhile)."""
+        tokens = list(job.key.tokens)
+        path = self.tree.match(job.key, job.first + len(pages))
+        if len(path) < job.first or len(path) == job.first + len(pages):
+            return
+        owner = object()  # locks the path while storing evicts, as a session's would
+        self._lock(owner, path)  # type: ignore[arg-type]
+        try:
+            chain = Chain(id=self._next_chain, path=path, preview=job.preview, namespace=job.key.namespace)
+            added = self._add_pages(owner, tokens, chain, pages[len(path) - job.first:], write=False)  # type: ignore[arg-type]
+            if added:
+                self._next_chain += 1
+                self.chains[chain.id] = chain
+                chain.path = path + added
+        finally:
+            self.unlock(owner)  # type: ignore[arg-type]
 
     def _add_pages(self, session: Session, tokens: list[int], chain: Chain, pages: list[KvPage],
                    write: bool = True) -> list[PageNode]:
@@ -492,6 +579,8 @@ class PageCache(PrefixCache):
         """Drop every page; no session may still hold one."""
         if any(self._locks.values()):
             raise RuntimeError("sessions still read cached pages: end them first")
+        wait([job.read for job in self._promotions])
+        self._promotions = []  # what they read stays on disk
         nodes = self.tree.leaves_first()
         for node in nodes:
             self.store.discard(node)

@@ -69,6 +69,14 @@ class PrefixCache(ABC):
         insert, as it ends (work it can wait for is done there). Returns what was kept (a chain of
         pages, a checkpoint), or None when nothing new was."""
 
+    def pending(self) -> bool:
+        """Whether work it does off the engine thread waits for `settle`."""
+        return False
+
+    def settle(self, timeout: float | None = 0) -> None:
+        """Take in the work done off the engine thread (waiting up to `timeout` seconds for it; None:
+        for all of it)."""
+
     @abstractmethod
     def unlock(self, session: Session) -> None:
         """The session ends: what it attached or inserted may be evicted again."""

@@ -42,6 +42,10 @@ from kvserve.scheduler.ubatch_cost import attended_keys
 
 _log = logging.getLogger("kvserve.scheduler")
 
+# How long one piece of idle work waits for reads the cache does off the engine thread: a request
+# arriving meanwhile waits no longer than that.
+IDLE_WAIT = 0.05
+
 
 @dataclass
 class StepTimes:
@@ -130,14 +134,19 @@ class Scheduler:
     # -- between requests -----------------------------------------------------------------------------
 
     def wants_idle(self) -> bool:
-        """Whether `idle` has something to do: a ubatch size `auto` still needs timed (any thread)."""
-        return self.speculator.cost.next_to_time() is not None
+        """Whether `idle` has something to do: pages the cache reads from disk off the engine thread
+        to take in, or a ubatch size `auto` still needs timed (any thread)."""
+        return self.kv.cache.pending() or self.speculator.cost.next_to_time() is not None
 
     def idle(self) -> None:
-        """With nothing to serve (engine thread): time the smallest ubatch size `auto` has no price
-        for yet, alone, so that a request arriving meanwhile waits one timing, not the table. It is
-        timed in a stream the pool hands out as to any new session (an empty one, else the least
-        recently used idle one, whose rows go) and left empty."""
+        """With nothing to serve (engine thread): take in what the cache read off the engine thread
+        (waiting a moment for it); else time the smallest ubatch size `auto` has no price for yet,
+        alone, so that a request arriving meanwhile waits one timing, not the table. It is timed in
+        a stream the pool hands out as to any new session (an empty one, else the least recently
+        used idle one, whose rows go) and left empty."""
+        if self.kv.cache.pending():
+            self.kv.cache.settle(timeout=IDLE_WAIT)
+            return
         cost = self.speculator.cost
         n = cost.next_to_time()
         if n is None or self.has_work():
