@@ -116,7 +116,7 @@ class PageCache(PrefixCache):
         self.chains: dict[int, Chain] = {}
         self.store = store
         store.on_evict = self._evicted
-        self._locks: dict[Session, list[PageNode]] = {}
+        self._locks: dict[object, list[PageNode]] = {}  # by session (or a settle's own while it stores)
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._evicted_pages = 0
@@ -366,16 +366,10 @@ class PageCache(PrefixCache):
         if len(path) == n_pages:
             return None
         pages = self.rows.donate(session.seq, self.page_rows, len(path), n_pages - len(path))
-        chain = Chain(id=self._next_chain, path=path, preview=preview[:80], namespace=session.namespace)
-        added = self._add_pages(session, tokens, chain, pages)
+        chain, added = self._add_chain(session, key, path, pages, preview)
         last = (path + added)[-1] if path or added else self.tree.root(session.namespace)
         self._write_unkept(session.namespace, last.key, tokens, pages[len(added):])
-        if not added:
-            return None
-        self._next_chain += 1
-        self.chains[chain.id] = chain
-        chain.path = path + added
-        return chain
+        return chain if added else None
 
     def _keep_window(self, session: Session, n: int) -> None:
         """Make the pages before `n`, where the session stands, hold the window's rows for position
@@ -409,12 +403,7 @@ class PageCache(PrefixCache):
             pages.append(page)
         if not pages:
             return [], []
-        chain = Chain(id=self._next_chain, path=list(path), preview="(from disk)", namespace=key.namespace)
-        added = self._add_pages(session, list(key.tokens), chain, pages, write=False)
-        if added:
-            self._next_chain += 1
-            self.chains[chain.id] = chain
-            chain.path = path + added
+        _, added = self._add_chain(session, key, path, pages, "(from disk)", write=False)
         return added, pages[len(added):]
 
     def _promote(self, preview: str, key: PrefixKey, first: int, keys: list[bytes], tail: list[KvPage]) -> None:
@@ -465,25 +454,31 @@ class PageCache(PrefixCache):
     def _store_promoted(self, job: _Promotion, pages: list[KvPage]) -> None:
         """Store `pages` (page `job.first` on) under the tree's path before them, those not there yet;
         nothing if that path is shorter now (its pages left host memory meanwhile)."""
-        tokens = list(job.key.tokens)
         path = self.tree.match(job.key, job.first + len(pages))
         if len(path) < job.first or len(path) == job.first + len(pages):
             return
         owner = object()  # locks the path while storing evicts, as a session's would
-        self._lock(owner, path)  # type: ignore[arg-type]
+        self._lock(owner, path)
         try:
-            chain = Chain(id=self._next_chain, path=path, preview=job.preview, namespace=job.key.namespace)
-            added = self._add_pages(owner, tokens, chain, pages[len(path) - job.first:], write=False)  # type: ignore[arg-type]
-            if added:
-                self._next_chain += 1
-                self.chains[chain.id] = chain
-                chain.path = path + added
+            self._add_chain(owner, job.key, path, pages[len(path) - job.first:], job.preview, write=False)
         finally:
-            self.unlock(owner)  # type: ignore[arg-type]
+            self._unlock(owner)
 
-    def _add_pages(self, session: Session, tokens: list[int], chain: Chain, pages: list[KvPage],
+    def _add_chain(self, owner: object, key: PrefixKey, path: list[PageNode], pages: list[KvPage], preview: str,
+                   write: bool = True) -> tuple[Chain, list[PageNode]]:
+        """Store `pages` after `path` (pages of `key`) as a new chain, locked for `owner`, until one
+        does not fit; the chain is kept where a page was stored. The chain and the nodes stored."""
+        chain = Chain(id=self._next_chain, path=list(path), preview=preview[:80], namespace=key.namespace)
+        added = self._add_pages(owner, list(key.tokens), chain, pages, write)
+        if added:
+            self._next_chain += 1
+            self.chains[chain.id] = chain
+            chain.path = path + added
+        return chain, added
+
+    def _add_pages(self, owner: object, tokens: list[int], chain: Chain, pages: list[KvPage],
                    write: bool = True) -> list[PageNode]:
-        """Store `pages` under the end of `chain.path`, locked for the session, until one does not fit."""
+        """Store `pages` under the end of `chain.path`, locked for `owner` (a session), until one does not fit."""
         parent = chain.path[-1] if chain.path else self.tree.root(chain.namespace)
         added: list[PageNode] = []
         for page in pages:
@@ -496,7 +491,7 @@ class PageCache(PrefixCache):
                 break
             if not parent.is_root:
                 self.store.lock(parent)  # a parent goes only after its children
-            self._locks.setdefault(session, []).append(node)
+            self._locks.setdefault(owner, []).append(node)
             added.append(node)
             if write:
                 self._write_behind(node, page)
@@ -530,13 +525,16 @@ class PageCache(PrefixCache):
 
     # -- locks ----------------------------------------------------------------------------------------
 
-    def _lock(self, session: Session, nodes: list[PageNode]) -> None:
+    def _lock(self, owner: object, nodes: list[PageNode]) -> None:
         for node in nodes:
             self.store.lock(node)
-        self._locks.setdefault(session, []).extend(nodes)
+        self._locks.setdefault(owner, []).extend(nodes)
 
     def unlock(self, session: Session) -> None:
-        for node in self._locks.pop(session, []):
+        self._unlock(session)
+
+    def _unlock(self, owner: object) -> None:
+        for node in self._locks.pop(owner, []):
             if node.alive:
                 self.store.unlock(node)
 
