@@ -43,6 +43,7 @@ Pages evicted from host memory stay on disk. Each page entering or leaving host 
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -278,17 +279,6 @@ class PageCache(PrefixCache):
             buffer = self._thread.buffer = np.empty(nbytes, np.uint8)
         return disk.get(page_key_, into=buffer)
 
-    def _page_read(self, page_key_: bytes, data: bytes | memoryview | None, index: int) -> KvPage | None:
-        """The page `disk.get` read for the `index`-th page of a prompt, checked against this context's
-        layout; None if the read found nothing, or if the page does not fit (its file is removed)."""
-        if data is None:
-            return None
-        try:
-            return self.rows.page_from_bytes(data, index * self.page_rows, self.page_rows)
-        except StateFormatError:
-            self._refused(page_key_)
-            return None
-
     def _refused(self, page_key_: bytes) -> None:
         assert self.tiers.disk is not None
         self.tiers.disk.discard(page_key_)
@@ -393,14 +383,9 @@ class PageCache(PrefixCache):
         """Read the pages of `keys` (the run after `path`) from disk, until one is missing or refused:
         the nodes of those the tree and the host store took (locked for the session), then the pages
         after them that host memory could not take (attached all the same; they stay on disk)."""
-        disk = self.tiers.disk
-        assert disk is not None
-        pages: list[KvPage] = []
-        for i, (page_key_, data) in enumerate(zip(keys, self._reader.map(disk.get, keys))):
-            page = self._page_read(page_key_, data, len(path) + i)
-            if page is None:
-                break
-            pages.append(page)
+        pages, refused = self._read_run(keys, len(path), math.inf)
+        if refused is not None:
+            self._refused(refused)
         if not pages:
             return [], []
         _, added = self._add_chain(session, key, path, pages, "(from disk)", write=False)
@@ -415,9 +400,10 @@ class PageCache(PrefixCache):
         read = self._reader.submit(self._read_run, keys, first, self.store.budget_bytes)
         self._promotions.append(_Promotion(preview[:80], key, first, keys, tail, read))
 
-    def _read_run(self, keys: list[bytes], first: int, budget: int) -> tuple[list[KvPage], bytes | None]:
-        """(On a reading thread.) The pages of `keys`, from the first, until one is missing, refused
-        (its key returned) or past `budget` bytes in all."""
+    def _read_run(self, keys: list[bytes], first: int, budget: float) -> tuple[list[KvPage], bytes | None]:
+        """The pages of `keys` (page `first` on), each checked against this context's layout, from
+        the first, until one is missing, refused (its key returned, for the engine thread to remove)
+        or past `budget` bytes in all. Safe on a reading thread."""
         pages: list[KvPage] = []
         nbytes = 0
         for i, page_key_ in enumerate(keys):

@@ -26,12 +26,13 @@ Nor above a larger size's price: served beside another server's start, one start
 16-token ubatches at 3.95 s where 8 learnt 0.21 and 32 was timed at 0.73, and a size priced that
 high is never drafted at, so no step would ever have sampled it back down.
 
-A price too high is never drafted at, so no step samples it back down: on one box `auto`'s start
-priced ubatches of 8 to 64 tokens 20-70% above what the steps of servers drafting at them learnt
-(8: 0.32 s against 0.26; 16: 0.47 against 0.35), and drafted 3.6 tokens a draft at 96% acceptance. So
-`auto` bids (`bid`, `step(..., bid=True)`; for a step of one sequence, `Speculator._seconds`) a
-size that no step has priced yet at `UNTRIED` of its price, in its first `TRIES` steps: a size a little too dear for a draft gets tried, and `LEARNT`
-steps of it put its price right. Where the bid was wrong, those few steps cost at most 1 / `UNTRIED`
+That cap does not reach a table too high everywhere above the sizes in use: on one box `auto`'s
+start priced ubatches of 8 to 64 tokens 20-70% above what the steps of servers drafting at them
+learnt (8: 0.32 s against 0.26; 16: 0.47 against 0.35), and drafted 3.6 tokens a draft at 96%
+acceptance. So `auto` bids (`bid`, `step(..., bid=True)`; for a step of one sequence,
+`Speculator._seconds`) a size that no step has priced yet at `UNTRIED` of its price, in its first
+`TRIES` steps: a size a little too dear for a draft gets tried, and `LEARNT` steps of it put its
+price right. Where the bid was wrong, those few steps cost at most 1 / `UNTRIED`
 of what was weighed; a size steps carry without ever pricing (always beside another unpriced one)
 stops being bid low after `TRIES` of them.
 
