@@ -294,6 +294,7 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
         return
     # each cell's results on each server, by run (one start of the servers)
     found: dict[str, dict[tuple[str, int], list[list]]] = {s.name: {c: [] for c in cells} for s in servers}
+    drafted: dict[str, dict[tuple[str, int], list[int]]] = {s.name: {c: [] for c in cells} for s in servers}
     notes: dict[str, dict] = {}
     info: dict[str, dict] = {}
     for order in ([servers] if len(servers) == 1 else [servers, servers[::-1]]):
@@ -307,12 +308,14 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
             for server, process in up:
                 asyncio.run(_warm(process.url, server.kvserve))
             for workload, users in cells:
+                before = [draft_tokens(p.url) if s.kvserve else 0 for s, p in up]
                 if len(up) == 1:
                     results = [asyncio.run(measure(up[0][1].url, workload, users))]
                 else:
                     results = asyncio.run(measure_paired([p.url for _, p in up], workload, users))
-                for (server, _), got in zip(up, results):
+                for (server, process), got, was in zip(up, results, before):
                     found[server.name][workload, users].append(got)
+                    drafted[server.name][workload, users].append(draft_tokens(process.url) - was if server.kvserve else 0)
             for server, process in up:  # what kvserve measured each ubatch size to cost, what it drafted, where its step time went
                 if server.kvserve:
                     info[server.name] = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
@@ -324,10 +327,17 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
             continue
         for (workload, users), runs in found[server.name].items():
             run.add({"server": server.name, "workload": workload, "users": users, **notes[server.name],
-                     **summary([r for got in runs for r in got]), "runs_tps": [decode_rate(got) for got in runs]})
+                     **summary([r for got in runs for r in got]), "runs_tps": [decode_rate(got) for got in runs],
+                     "runs_drafted": drafted[server.name][workload, users]})
         if server.name in info:
             run.add({"server": server.name, "workload": "server_info", "users": 0, "decode_tps": 0.0,
                      "speculative": info[server.name]})
+
+
+def draft_tokens(url: str) -> int:
+    """The tokens a kvserve has drafted since it started, all drafters (`kvserve_spec_draft_tokens_total`)."""
+    lines = httpx.get(f"{url}/metrics", timeout=60).text.splitlines()
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("kvserve_spec_draft_tokens_total")))
 
 
 async def _warm(url: str, kvserve: bool = False, timeout: float = 300) -> None:
@@ -427,9 +437,10 @@ def targets(rows: list[dict]) -> list[tuple[str, float | None, float]]:
 
 def paired_runs(rows: list[dict]) -> list[str]:
     """A table line per cell that both kvserve off and auto ran, run by run: each one's rate, auto's
-    ratio to off, and the spread of those ratios (highest less lowest)."""
-    def runs(server: str, workload: str, users: int) -> list[float]:
-        return next((r.get("runs_tps", []) for r in rows
+    ratio to off, the spread of those ratios (highest less lowest), and the tokens auto drafted (a
+    run that drafted none served the cell as off does: its ratio is the box's drift)."""
+    def runs(server: str, workload: str, users: int, what: str = "runs_tps") -> list:
+        return next((r.get(what, []) for r in rows
                      if (r["server"], r["workload"], r["users"]) == (server, workload, users) and "ttft" in r), [])
 
     lines = []
@@ -441,9 +452,10 @@ def paired_runs(rows: list[dict]) -> list[str]:
             continue
         ratios = [a / o for o, a in zip(off, auto) if o and a]
         spread = f"{max(ratios) - min(ratios):.2f}x" if len(ratios) > 1 else "-"
+        drafted = runs(PAIRED[1], r["workload"], r["users"], "runs_drafted")
         lines.append(f"| {r['workload']} | {r['users']} | {', '.join(f'{t:.1f}' for t in off)} "
                      f"| {', '.join(f'{t:.1f}' for t in auto)} | {', '.join(f'{x:.2f}x' for x in ratios) or '-'} "
-                     f"| {spread} |")
+                     f"| {spread} | {', '.join(map(str, drafted)) or '-'} |")
     return lines
 
 
@@ -464,8 +476,8 @@ def report(rows: list[dict], name: str = "speculative", label: str | None = None
                      f"| {r['ttft']:.2f} |")
     pairs = paired_runs(rows)
     if pairs:
-        lines += ["", "| workload | users | off tok/s by run | auto tok/s by run | auto / off by run | spread |",
-                  "|---|---|---|---|---|---|", *pairs]
+        lines += ["", "| workload | users | off tok/s by run | auto tok/s by run | auto / off by run | spread "
+                  "| auto's drafted tokens by run |", "|---|---|---|---|---|---|---|", *pairs]
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for what, measured, goal in targets(rows):
         shown, met = ("-", "-") if measured is None else (f"{measured:.2f}x", "yes" if measured >= goal else "no")
