@@ -274,10 +274,11 @@ def test_the_cache_view_shows_what_each_drafter_drafted_and_gained(page, smollm2
         assert "1: " in page.locator("#spec-prices").inner_text()
 
 
-def test_the_cache_view_says_when_speculation_is_off(page, url: str) -> None:
-    page.goto(f"{url}/ui/cache")
-    page.locator("#spec-text", has_text="off (--speculative off").wait_for()
-    assert page.locator("#spec-table").is_hidden()
+def test_the_cache_view_says_when_speculation_is_off(page, tiny) -> None:
+    with serve(tiny("llama"), threads=1, speculative="off") as base:  # auto is the default
+        page.goto(f"{base}/ui/cache")
+        page.locator("#spec-text", has_text="off (--speculative off").wait_for()
+        assert page.locator("#spec-table").is_hidden()
 
 
 # --- --api-key and --no-ui -------------------------------------------------------------------------------
