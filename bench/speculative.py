@@ -62,7 +62,7 @@ import httpx
 
 from bench import llama_server
 from bench.client import gather_limited, stream_chat
-from kvserve.testing import ServerProcess, free_port
+from kvserve.testing import ServerProcess, free_port, read_metrics
 from kvserve.testing.processes import ServerExited, kvserve_command
 from kvserve.testing.part_models import part_model
 
@@ -336,8 +336,7 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
 
 def draft_tokens(url: str) -> int:
     """The tokens a kvserve has drafted since it started, all drafters (`kvserve_spec_draft_tokens_total`)."""
-    lines = httpx.get(f"{url}/metrics", timeout=60).text.splitlines()
-    return round(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("kvserve_spec_draft_tokens_total")))
+    return round(read_metrics(url).total("kvserve_spec_draft_tokens_total"))
 
 
 async def _warm(url: str, kvserve: bool = False, timeout: float = 300) -> None:

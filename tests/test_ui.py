@@ -275,7 +275,7 @@ def test_the_cache_view_shows_what_each_drafter_drafted_and_gained(page, smollm2
 
 
 def test_the_cache_view_says_when_speculation_is_off(page, tiny) -> None:
-    with serve(tiny("llama"), threads=1, speculative="off") as base:  # auto is the default
+    with serve(tiny("llama"), threads=1, speculative="off") as base:  # off asked for, whatever the default
         page.goto(f"{base}/ui/cache")
         page.locator("#spec-text", has_text="off (--speculative off").wait_for()
         assert page.locator("#spec-table").is_hidden()
