@@ -106,9 +106,10 @@ class ModelSettings(BaseModel):
     )
     chat_template_file: Path | None = Field(None, description="a Jinja chat template to use instead of the model's")
     speculative: Literal["off", "auto", "ngram", "tree", "draft"] = Field(
-        "off", description="speculative decoding: auto picks drafters (a request's prediction, the prefix tree, "
-        "n-grams of its own text) and draft lengths from measured acceptance and step cost; ngram, tree and draft "
-        "(the --draft-model) draft from one source always"
+        "auto", description="speculative decoding: auto (the default) picks drafters (a request's prediction, the "
+        "prefix tree, recent answers, n-grams of its own text) and draft lengths from measured acceptance and step "
+        "cost, and drafts nothing where that does not pay; ngram, tree and draft (the --draft-model) draft from one "
+        "source always; off"
     )
     draft_model: Path | None = Field(
         None, description="a GGUF draft model with the served model's vocabulary, for --speculative draft (auto "

@@ -113,9 +113,9 @@ class Engine:
             n_threads=settings.threads, queue_timeout=server.queue_timeout))
         spec = SpecConfig(SpecMode(settings.speculative), settings.draft_max)
         scheduler = Scheduler(pool, cache, config, embedder, spec, lora, draft)
-        if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:
-            _log.warning("speculative decoding is off: this model's KV rows cannot be cut back "
-                         "(a recurrent state)")
+        if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:  # auto decides so quietly
+            (_log.info if spec.mode is SpecMode.AUTO else _log.warning)(
+                "speculative decoding is off: this model's KV rows cannot be cut back (a recurrent state)")
         async_engine = AsyncEngine(scheduler, server.max_queue, server.stall_seconds, settings.threads)
         template = ChatTemplate.from_model(model, settings.chat_template_file)
         reasoning = resolve_format(settings.reasoning_format, template.source, model.is_one_token)
@@ -141,7 +141,7 @@ class Engine:
 
 def embedder_settings(settings: ModelSettings) -> ModelSettings:
     """An embedding-only model's settings: one stream, no prefix cache (it keeps no KV rows to page), no drafts."""
-    if settings.speculative != "off" or settings.lora:
+    if settings.speculative not in ("off", "auto") or settings.lora:  # auto (the default) drafts where it can
         _log.warning("%s embeds only: --speculative and --lora do not apply to it", settings.model)
     return settings.model_copy(update={"prefix_cache": False, "parallel": 1, "speculative": "off", "draft_model": None,
                                        "lora": []})
