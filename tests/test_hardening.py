@@ -46,6 +46,30 @@ def engine_idle(app: FastAPI, timeout: float = 300) -> bool:
     return False
 
 
+def test_engine_idle_waits_for_the_ubatch_timing_in_a_borrowed_stream(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between requests, `--speculative auto` times a ubatch size in a stream it borrows from the
+    pool. A check that read the pool then saw a live session no request owned (the soak test did,
+    once in three suite runs), so `engine_idle` must not call the engine idle until that is done."""
+    started, go_on = threading.Event(), threading.Event()
+    real = Context.time_ubatches
+
+    def held(self: Context, sizes: list[int], **kwargs) -> dict[int, float]:
+        started.set()
+        go_on.wait(60)
+        return real(self, sizes, **kwargs)
+
+    monkeypatch.setattr(Context, "time_ubatches", held)
+    with served(tiny("llama"), threads=1, speculative="auto") as (_, app):
+        try:
+            assert started.wait(60), "no ubatch was timed while the engine idled"
+            pool = app.state.models.only.pool
+            assert len(pool.sessions) == 1  # the stream the timing borrowed, no request's
+            assert not engine_idle(app, timeout=0.5)
+        finally:
+            go_on.set()  # a failed check must not leave the engine thread waiting
+        assert engine_idle(app) and pool.sessions == []
+
+
 def test_non_utf8_body_is_a_400(server) -> None:
     url, _ = server
     response = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "caf\xe9"}',
