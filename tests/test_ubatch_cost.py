@@ -264,6 +264,33 @@ def test_an_auto_engine_loads_without_timing_and_idles_the_table_in(smollm2) -> 
         assert cost.table[64] > cost.table[2] and ctx.seq_pos_max(0) == -1
 
 
+def test_a_request_arriving_during_a_timing_waits_for_one_decode_not_the_timing(smollm2, monkeypatch) -> None:
+    """A request that comes while the engine idles a size in ends the timing at the next decode: the
+    size stays to time, the borrowed stream is left empty, and a later idle times again."""
+    with engine(smollm2, speculative="auto", **SMALL) as e:
+        cost, ctx = e.scheduler.speculator.cost, e.pool.ctx
+        n = cost.next_to_time()
+        decodes = []
+        real = type(ctx).decode
+
+        def arriving(self, batch) -> None:  # the request comes during the timing's first decode
+            decodes.append(batch.n_tokens)
+            real(self, batch)
+            if len(decodes) == 1:
+                e.scheduler.submit(_request(e.model, "The cat sat on the"))
+
+        monkeypatch.setattr(type(ctx), "decode", arriving)
+        e.scheduler.idle()
+        monkeypatch.setattr(type(ctx), "decode", real)
+        assert decodes == [1], decodes  # its warm-up only; the timing had 2 more decodes to go
+        assert n in cost.untimed and cost.table == UbatchCost().table  # nothing timed: the guess stands
+        assert all(ctx.seq_pos_max(s) == -1 for s in range(4)) and e.scheduler.has_work()
+        while e.scheduler.has_work():  # it is served
+            assert all(o.error is None for o in e.scheduler.step())
+        e.scheduler.idle()  # timed now (or learnt from the request's steps, and the next size timed)
+        assert n not in cost.untimed and cost.table != UbatchCost().table
+
+
 def test_an_auto_server_is_healthy_before_timing_and_fills_the_table_while_idle(smollm2) -> None:
     """The server answers /health with nothing timed at load; while it idles the table fills, and a
     request meanwhile is served."""

@@ -148,11 +148,14 @@ class Context:
         if code != 0:
             raise DecodeError(code)
 
-    def time_ubatches(self, sizes: list[int], seq: int = 0, token: int = 0, again: int = 8) -> dict[int, float]:
+    def time_ubatches(self, sizes: list[int], seq: int = 0, token: int = 0, again: int = 8,
+                      stop: Callable[[], bool] | None = None) -> dict[int, float] | None:
         """Seconds one decode of `n` tokens (each with logits) in stream `seq` takes, for each n in
         `sizes` (after a warm-up decode), in stream `seq`, left empty; nothing where it holds rows.
         Sizes up to `again` are timed a second time after all the others, and the faster kept: one
-        timing of a one-token decode right after loading came out 1.7x a served step's."""
+        timing of a one-token decode right after loading came out 1.7x a served step's. `stop` is
+        asked before each decode: where it says so, the timing ends there and None comes back (a
+        request that arrives meanwhile waits for one decode, not for the whole timing)."""
         if self.seq_pos_max(seq) >= 0:
             return {}
         sizes = [n for n in sizes if 1 <= n <= min(self.n_ubatch, self.n_ctx_seq)]
@@ -160,6 +163,8 @@ class Context:
         seconds: dict[int, float] = {}
         try:
             for n in [1, *sizes, *(n for n in sizes if n <= again)]:
+                if stop is not None and stop():
+                    return None
                 batch.clear()
                 for pos in range(n):
                     batch.add(token, pos, seq, True)
