@@ -319,6 +319,33 @@ def test_a_truncated_file_is_refused(tmp_path: Path, when: str) -> None:
     store.close()
 
 
+def test_a_file_grown_by_a_byte_is_refused_at_get(tmp_path: Path) -> None:
+    """One read takes the header, payload and checksum the index expects, and one byte more: a file
+    longer than its header says is caught by that byte."""
+    with DiskStore(tmp_path, 1 << 20) as store:
+        key = put(store, 1, b"g" * 500)
+        store.flush(5)
+        with open(path_of(tmp_path, key), "ab") as f:
+            f.write(b"\0")
+        buffer = np.empty(1000, np.uint8)
+        assert store.get(key, into=buffer) is None and store.stats().refused == 1
+        assert not path_of(tmp_path, key).exists()
+
+
+def test_a_page_replaced_since_it_was_indexed_is_read_not_refused(tmp_path: Path) -> None:
+    """The index expects one file; a valid file of the same key with another payload (a page rewritten
+    with more rows, as the writer replaces it) stands there: read and returned, not refused."""
+    with DiskStore(tmp_path / "a", 1 << 20) as store, DiskStore(tmp_path / "b", 1 << 20) as other:
+        key = put(store, 1, b"o" * 500)
+        assert put(other, 1, b"n" * 700) == key
+        store.flush(5)
+        other.flush(5)
+        path_of(tmp_path / "a", key).write_bytes(path_of(tmp_path / "b", key).read_bytes())
+        for into in (None, np.empty(1000, np.uint8)):
+            assert bytes(store.get(key, into=into)) == b"n" * 700  # type: ignore[arg-type]
+        assert store.stats().refused == 0
+
+
 def test_swapped_file_names_are_refused(tmp_path: Path) -> None:
     with DiskStore(tmp_path, 1 << 20) as store:
         a, b = put(store, 1, b"a" * 64), put(store, 2, b"b" * 64)
