@@ -16,7 +16,10 @@ from conftest import engine, run
 from conftest import serve as serving
 from kvserve.llama.sampler import SamplingParams
 from kvserve.scheduler.drafters import Sequence
+from kvserve.llama.context import Context
 from kvserve.scheduler.request import Request
+from kvserve.scheduler.scheduler import QUIET
+from kvserve.testing.processes import wait_until
 from kvserve.scheduler.speculation import Evidence, SpecConfig, SpecMode, Speculator, SpecState
 from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES, LEARNT, WINDOW, UbatchCost
 
@@ -289,6 +292,31 @@ def test_a_request_arriving_during_a_timing_waits_for_one_decode_not_the_timing(
             assert all(o.error is None for o in e.scheduler.step())
         e.scheduler.idle()  # timed now (or learnt from the request's steps, and the next size timed)
         assert n not in cost.untimed and cost.table != UbatchCost().table
+
+
+def test_a_timing_waits_until_the_engine_has_served_nothing_for_a_moment(smollm2, monkeypatch) -> None:
+    """Requests come in bursts: once one ends, no ubatch timing starts before the engine has served
+    nothing for QUIET seconds (one started at once would hold the next request for its decode); the
+    table still fills while the server idles."""
+    starts: list[float] = []
+    real = Context.time_ubatches
+
+    def slow(self, sizes, **kwargs):  # each timing a little longer, so that some are left after the request
+        starts.append(time.monotonic())
+        time.sleep(0.05)
+        return real(self, sizes, **kwargs)
+
+    monkeypatch.setattr(Context, "time_ubatches", slow)
+    with serving(smollm2, speculative="auto", **SMALL) as url:
+        wait_until(lambda: starts, 60, "a first timing")
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": "Say hi", "max_tokens": 4}, timeout=120)
+        ended = time.monotonic()
+        assert reply.status_code == 200
+        wait_until(lambda: not httpx.get(f"{url}/server_info", timeout=10).json()["speculative"]["ubatch_to_time"],
+                   120, "the table timed")
+    after = [t for t in starts if t > ended]
+    assert after, starts  # sizes were left to time after the request
+    assert after[0] - ended >= QUIET - 0.2, (after[0] - ended, QUIET)
 
 
 def test_an_auto_server_is_healthy_before_timing_and_fills_the_table_while_idle(smollm2) -> None:

@@ -4,7 +4,8 @@ One single-thread executor runs every scheduler step and every other call that t
 context, so llama.cpp only ever sees one thread. `llama_decode` releases the GIL, so the event loop
 keeps serving HTTP while a step runs. With no work, the thread does the scheduler's idle work
 (`Scheduler.idle`: a ubatch timing for `--speculative auto`) one short piece at a time, looking for
-requests between pieces.
+requests between pieces; a timing waits until the engine has served nothing for a moment
+(`Scheduler.idle_delay`).
 """
 
 from __future__ import annotations
@@ -202,10 +203,16 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             if not self.scheduler.has_work():
-                if self.scheduler.wants_idle():  # one piece of idle work, then look for requests again
+                if not self.scheduler.wants_idle():
+                    await self._wakeup.wait()
+                elif (delay := self.scheduler.idle_delay()) <= 0:  # one piece of idle work, then look again
                     await loop.run_in_executor(self._executor, self._with_threads, self.scheduler.idle)
                     continue
-                await self._wakeup.wait()
+                else:  # not yet: unless a request comes first
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), delay)
+                    except asyncio.TimeoutError:
+                        continue
             self._wakeup.clear()
             started = time.perf_counter()
             outputs = await loop.run_in_executor(self._executor, self._step)

@@ -45,6 +45,11 @@ _log = logging.getLogger("kvserve.scheduler")
 # How long one piece of idle work waits for reads the cache does off the engine thread: a request
 # arriving meanwhile waits no longer than that.
 IDLE_WAIT = 0.05
+# A ubatch timing starts only once the engine has served nothing for this long: requests come in
+# bursts (an agent's next turn, the clients of a restarted server), and one that arrives during a
+# timing waits for its decode (20-60 ms on a 1.5B, the most of what a restart's first token spent
+# beyond llama-server's restore).
+QUIET = 1.0
 
 
 @dataclass
@@ -137,6 +142,13 @@ class Scheduler:
         """Whether `idle` has something to do: pages the cache reads from disk off the engine thread
         to take in, or a ubatch size `auto` still needs timed (any thread)."""
         return self.kv.cache.pending() or self.speculator.cost.next_to_time() is not None
+
+    def idle_delay(self) -> float:
+        """Seconds before `idle` should run (its work being `wants_idle`): none for the cache's reads,
+        what is left of `QUIET` since the engine last served for a ubatch timing."""
+        if self.kv.cache.pending():
+            return 0.0
+        return max(0.0, self.last_progress + QUIET - time.monotonic())
 
     def idle(self) -> None:
         """With nothing to serve (engine thread): take in what the cache read off the engine thread
