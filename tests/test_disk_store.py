@@ -269,6 +269,19 @@ def test_the_lock_holds_across_processes(tmp_path: Path) -> None:
     DiskStore(tmp_path, 1 << 20).close()
 
 
+def test_run_bytes_is_the_longest_chain_of_a_models_pages(tmp_path: Path) -> None:
+    with DiskStore(tmp_path, 1 << 20) as store:
+        a = put(store, 1, b"a" * 100)
+        b = put(store, 2, b"b" * 200, parent=a)
+        put(store, 3, b"c" * 300, parent=b)
+        put(store, 4, b"d" * 550, parent=a)  # a branch: a + d is 650, a + b + c 600
+        key, parent, tokens = page(5)
+        assert store.put(key, parent, SEED, tokens, lambda: b"e" * 900, tag="model-b")
+        assert store.flush(5)
+        assert store.run_bytes("model-a") == 650 and store.run_bytes("model-b") == 900
+        assert store.run_bytes("model-c") == 0
+
+
 # -- files that lie -------------------------------------------------------------------------------------
 
 

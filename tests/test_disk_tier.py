@@ -22,6 +22,7 @@ from kvserve.cache.disk_store import DiskStore
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.cache.tiers import Tiers
 from kvserve.llama.sampler import SamplingParams
+from kvserve.llama.seq_state import SeqState
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request
 from kvserve.testing.processes import ServerProcess
@@ -279,6 +280,29 @@ def test_damaged_files_are_refused_and_counted(smollm2: Path, tmp_path: Path, ti
         assert disk.refused >= 1
         metrics = httpx.get(f"{url}/metrics").text
         assert "kvserve_prefix_disk_refused_total" in metrics
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_a_restart_maps_the_first_restores_buffer_while_the_model_loads(smollm2: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that starts on a folder holding a model's pages maps, while the model loads, a buffer
+    as large as the longest run of them, and its first restore from disk writes into that buffer
+    (a restore into fresh memory took 0.3-0.7 s more for 224 MB on this VM)."""
+    prompt = TEXT + " Which ship came in last?"
+    with served(smollm2, prefix_disk_dir=tmp_path) as (url, app):
+        first = _chat(url, prompt)
+        _flush(app)
+    blobs: list[int] = []
+    real = SeqState.restore
+    monkeypatch.setattr(SeqState, "restore", lambda self, n: blobs.append((r := real(self, n)).blob.ctypes.data) or r)
+    with served(smollm2, prefix_disk_dir=tmp_path) as (url, app):
+        ahead = app.state.models.only.cache.rows.reserving
+        assert ahead is not None, "nothing was mapped for the first restore"
+        run = app.state.models.persistence.disk.run_bytes(app.state.models.only.settings.served_name)
+        assert run > 0 and ahead.result().nbytes >= run
+        again = _chat(url, prompt)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert blobs == [ahead.result().ctypes.data]
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
 

@@ -20,7 +20,7 @@ import pytest
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context, ContextParams, DecodeError
 from kvserve.llama.model import Model
-from kvserve.llama.seq_state import KvPage, MissingRows, SeqState, StateFormatError
+from kvserve.llama.seq_state import KvPage, MissingRows, SeqState, StateFormatError, mapped
 
 CHUNK = 32  # every prefill here runs in chunks of this many tokens, so the same tokens get the same rows
 PAGE = 16
@@ -116,20 +116,19 @@ def test_a_restore_from_page_bytes_gives_the_rows_recomputing_gives(runner: Runn
         runner.state.restore(96).put(np.concatenate(runner.state.page_bytes(pages[2])), PAGE, PAGE)
 
 
-def test_a_restore_waits_for_the_buffer_reserved_for_it(runner: Runner) -> None:
-    """A restore while `reserve` is still under way on another thread waits for it and writes into
-    its buffer (mapped ahead, the point of reserving), not into fresh memory of its own."""
+def test_a_restore_waits_for_the_buffer_mapped_for_it(runner: Runner) -> None:
+    """A restore while a buffer is still being `mapped` for it on another thread waits for it and
+    writes into it (mapped ahead, the point of reserving), not into fresh memory of its own."""
     runner.eval(0, _tokens(32, seed=5))
     runner.state.donate(0, PAGE)  # the layout is known
     gate = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        pool.submit(gate.wait)  # the reserve waits behind this until the restore has asked for its blob
-        runner.state.reserving = pool.submit(runner.state.reserve, 96)
+        pool.submit(gate.wait)  # the mapping waits behind this until the restore has asked for its blob
+        ahead = runner.state.reserving = pool.submit(mapped, 16 << 20)
         threading.Timer(0.2, gate.set).start()
         restore = runner.state.restore(64)
-    reserved = runner.state.restore(96).blob
-    assert np.shares_memory(restore.blob, reserved) and restore.blob.ctypes.data == reserved.ctypes.data
-    assert runner.state.reserving is None
+    assert restore.blob.ctypes.data == ahead.result().ctypes.data and runner.state.reserving is None
+    assert runner.state.restore(96).blob.ctypes.data == ahead.result().ctypes.data  # kept for the next
 
 
 def test_a_prefix_from_two_donors(runner: Runner) -> None:

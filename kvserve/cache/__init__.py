@@ -22,6 +22,7 @@ eval up to it, and `cache.insert` records the state there.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kvserve.cache.cache_stats import CacheStats
@@ -49,12 +50,13 @@ def create_prefix_cache(ctx: Context, page_rows: int, *, enabled: bool = True,
     """The cache serving `ctx`'s sessions, within `budget_bytes` of host memory (one store): pages
     for attention models (also on disk and announced, as `tiers` say), checkpoints (at most
     `max_states`) for models that carry state, nothing when not `enabled`."""
+    scratch, tiers = tiers.scratch, replace(tiers, scratch=None)  # a page cache's alone: others let it go
     if not enabled:
         return NoCache()
     store: HostStore = HostStore(budget_bytes)
     if ctx.model.info.carries_state:
         return StateCache(ctx, page_rows, store, max_states, tiers=tiers)
-    return PageCache(ctx, page_rows, store, tiers)
+    return PageCache(ctx, page_rows, store, tiers, scratch)
 
 
 def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, n_streams: int = 8,

@@ -356,6 +356,15 @@ class DiskStore:
         item = self._index.get(key)
         return None if item is None else item.entry
 
+    def run_bytes(self, tag: str) -> int:
+        """The payload bytes of the longest chain of pages tagged `tag`, from one whose parent is not
+        on disk: what restoring the longest prefix on disk reads."""
+        total: dict[bytes, int] = {}
+        for entry in self.entries():  # parents first
+            if entry.tag == tag:
+                total[entry.key] = total.get(entry.parent, 0) + entry.nbytes
+        return max(total.values(), default=0)
+
     def entries(self) -> list[DiskEntry]:
         """Every indexed page, each after its parent when that is indexed too (for announcing at start)."""
         with self._lock:

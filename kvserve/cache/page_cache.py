@@ -105,7 +105,9 @@ class PageCache(PrefixCache):
     keeps = "pages"
     donates_prompt = True
 
-    def __init__(self, ctx: Context, page_rows: int, store: HostStore[PageNode, KvPage], tiers: Tiers = Tiers()) -> None:
+    def __init__(self, ctx: Context, page_rows: int, store: HostStore[PageNode, KvPage], tiers: Tiers = Tiers(),
+                 scratch: Future[np.ndarray] | None = None) -> None:
+        """`scratch`: the buffer a first restore from disk needs, being mapped (`seq_state.mapped`)."""
         if ctx.model.info.carries_state:
             raise ValueError("KV pages cannot restore a recurrent state; this model needs checkpoints")
         if page_rows < 1:
@@ -130,9 +132,7 @@ class PageCache(PrefixCache):
         self.disk_refused = 0  # pages read from disk that did not fit this context's layout
         if tiers.disk is not None:
             self.rows.learn_layout(0, max(ctx.model.bos, 0))  # disk pages restore before any donation
-            if len(tiers.disk):  # a restart: the blob its first restore from disk needs, mapped meanwhile
-                cells = min(len(tiers.disk) * page_rows, ctx.n_ctx_seq)
-                self.rows.reserving = self._reader.submit(self.rows.reserve, cells)
+            self.rows.reserving = scratch
 
     @property
     def held_pages(self) -> int:

@@ -1,6 +1,7 @@
 """Where a model's pages go beyond its host memory, and who hears of them: one disk store and one
 event publisher per server, shared by its models (a page's key names its model, so one folder holds
-them all), and the name the model's files and events carry."""
+them all), the name the model's files and events carry, and a buffer mapped while the model loads
+for its first restore from disk."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    import numpy as np
+
     from kvserve.cache.disk_store import DiskStore
     from kvserve.cache.page_events import ModelEvents
 
@@ -17,3 +22,4 @@ class Tiers:
     disk: "DiskStore | None" = None
     events: "ModelEvents | None" = None
     tag: str = ""  # the model's name, written into each of its page files
+    scratch: "Future[np.ndarray] | None" = None  # `seq_state.mapped` for the longest run of its pages on disk

@@ -24,8 +24,9 @@ Invariants:
   checked by writing that blob back byte for byte; a blob that does not fit it raises StateFormatError.
 - memory: a blob on its way into or out of llama.cpp passes through one buffer, kept and grown to
   the largest so far (at most one sequence's whole context, and 1 GiB), so a restore writes into
-  memory already mapped. `reserve` grows it ahead of need from another thread; nothing else here
-  leaves the context's thread, except a `Restore`'s pages, each written to its own rows.
+  memory already mapped. A buffer `mapped` on another thread ahead of need (`reserving`) becomes
+  it; nothing else here leaves the context's thread, except a `Restore`'s pages, each written to
+  its own rows.
 
 Sliding-window models: for one sequence, `state_write` leaves out the cells its SWA layers no longer
 attend, so a blob of L tokens holds SWA rows only for its last window (the base layers hold all L).
@@ -60,6 +61,7 @@ _EXT_BYTES = 12  # llama_kv_cell_ext: i32 x, i32 y, i32 token
 _BLOCK_HEAD_BYTES = 12  # i32 type and u64 row bytes, or i32 type, u32 element bytes and u32 n_embd_v
 _MAX_GGML_TYPE = 64
 _KEPT_BYTES = 1 << 30  # the most the blob buffer kept between restores grows to
+_BLOB_HEADS = 1 << 20  # more than a blob's heads beyond its pages' rows (12 bytes per layer's K and V)
 
 
 class StateFormatError(ValueError):
@@ -161,7 +163,7 @@ class SeqState:
         self._layout: tuple[_Section, ...] | None = None
         self._header = b""
         self._scratch = np.empty(0, np.uint8)
-        self.reserving: Future[None] | None = None  # a `reserve` under way on another thread
+        self.reserving: Future[np.ndarray] | None = None  # a buffer `mapped` on another thread, for `_blob`
 
     @property
     def row_bytes(self) -> int:
@@ -448,8 +450,10 @@ class SeqState:
         mapped, not into pages the kernel must first find and zero (a fresh 224 MB blob took 0.25-0.5
         s on a VM). A larger blob gets a buffer of its own, let go after it."""
         if self._scratch.size < nbytes and self.reserving is not None:
-            self.reserving.result()  # a reserve under way has mapped part of its buffer: wait for the rest
+            ahead = self.reserving  # mapped on another thread: wait for the rest of it
             self.reserving = None
+            if ahead.exception() is None and ahead.result().size > self._scratch.size:
+                self._scratch = ahead.result()
         if self._scratch.size >= nbytes:
             return self._scratch[:nbytes]
         if nbytes > _KEPT_BYTES:
@@ -457,22 +461,6 @@ class SeqState:
         self._scratch = np.empty(0, np.uint8)  # let go of the old one before taking the new
         self._scratch = np.empty(nbytes, np.uint8)
         return self._scratch
-
-    def reserve(self, n: int) -> None:
-        """Grow the scratch buffer to a blob of `n` cells and touch each of its pages: the one call
-        safe on another thread than the context's (a restarted server makes it in the background,
-        its future in `reserving`, so its first restore finds the memory mapped). A single KV
-        section only."""
-        layout = self._layout
-        if layout is None or len(layout) != 1:
-            return
-        nbytes = min(_HEADER_BYTES + layout[0].size(n), _KEPT_BYTES)
-        if self._scratch.size >= nbytes:
-            return
-        buffer = np.empty(nbytes, np.uint8)
-        buffer[::4096] = 0
-        if self._scratch.size < nbytes:  # the engine may have grown its own meanwhile
-            self._scratch = buffer
 
     def _check_restored(self, seq: int, n: int) -> None:
         last = self.ctx.seq_pos_max(seq)
@@ -535,6 +523,16 @@ class SeqState:
             at = _write_section(out, at, section, stream, tables)
         assert at == out.size
         return out
+
+
+def mapped(page_bytes: int) -> np.ndarray:
+    """A buffer for the blob that restores pages of `page_bytes` in all (`page_bytes` as written; no
+    more than a state keeps between restores), each of its memory pages touched: made on another
+    thread while a model loads, it saves the first restore from disk the time fresh memory takes
+    (0.3-0.7 s for 224 MB on a VM whose freed memory goes back to its host), as `SeqState.reserving`."""
+    buffer = np.empty(min(page_bytes + _BLOB_HEADS, _KEPT_BYTES), np.uint8)
+    buffer[::4096] = 0
+    return buffer
 
 
 class Restore:

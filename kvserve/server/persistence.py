@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from kvserve.cache.page_events import ModelEvents, announce_disk, disk_listeners
 from kvserve.cache.tiers import Tiers
 from kvserve.config import ServerSettings
+from kvserve.llama.seq_state import mapped
 from kvserve.server.namespace import adapters_of
 
 _log = logging.getLogger("kvserve.persistence")
@@ -28,6 +30,8 @@ MIB = 1024 * 1024
 class Persistence:
     disk: "object | None" = None  # DiskStore
     publisher: "object | None" = None  # KvEventPublisher
+    _mapping: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvserve-map"))
 
     @classmethod
     def open(cls, settings: ServerSettings) -> "Persistence":
@@ -45,10 +49,17 @@ class Persistence:
         return cls(disk, publisher)
 
     def tiers(self, model: str, page_rows: int) -> Tiers:
+        """`model`'s tiers; where the disk holds its pages, a thread maps the buffer its first restore
+        needs while it loads (a restarted 1.5B's first request waited up to 0.34 s for that mapping
+        when it began once the model had loaded)."""
         events = ModelEvents(self.publisher, model, page_rows, adapters_of) if self.publisher is not None else None
-        return Tiers(disk=self.disk, events=events, tag=model)
+        scratch = None
+        if self.disk is not None and (nbytes := self.disk.run_bytes(model)):
+            scratch = self._mapping.submit(mapped, nbytes)
+        return Tiers(disk=self.disk, events=events, tag=model, scratch=scratch)
 
     def close(self) -> None:
+        self._mapping.shutdown(wait=False, cancel_futures=True)
         if self.disk is not None:
             self.disk.close()
         if self.publisher is not None:
