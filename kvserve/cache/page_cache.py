@@ -452,9 +452,8 @@ class PageCache(PrefixCache):
 
     def pending(self) -> bool:
         """Runs read from disk wait to be stored, or the blob's buffer is still being mapped: the
-        engine's idle work waits for it rather than timing ubatches beside it (on 2 cores, mapping
-        224 MB beside the timings took 0.4-0.7 s where it takes 0.03-0.09 s alone, and a restarted
-        server's first request waited for it)."""
+        engine's idle work waits for it rather than timing ubatches beside it (on 2 cores each
+        slows the other, and a restarted server's first restore wants that buffer)."""
         return bool(self._promotions) or (self.rows.reserving is not None and not self.rows.reserving.done())
 
     def settle(self, timeout: float | None = 0) -> None:
