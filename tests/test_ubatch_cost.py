@@ -18,7 +18,7 @@ from kvserve.llama.sampler import SamplingParams
 from kvserve.scheduler.drafters import Sequence
 from kvserve.llama.context import Context
 from kvserve.scheduler.request import Request
-from kvserve.scheduler.scheduler import QUIET
+from kvserve.scheduler.scheduler import PATIENCE, QUIET
 from kvserve.testing.processes import wait_until
 from kvserve.scheduler.speculation import Evidence, SpecConfig, SpecMode, Speculator, SpecState
 from kvserve.scheduler.ubatch_cost import CALIBRATION_SIZES, LEARNT, WINDOW, UbatchCost
@@ -317,6 +317,16 @@ def test_a_timing_waits_until_the_engine_has_served_nothing_for_a_moment(smollm2
     after = [t for t in starts if t > ended]
     assert after, starts  # sizes were left to time after the request
     assert after[0] - ended >= QUIET - 0.2, (after[0] - ended, QUIET)
+
+
+def test_past_its_first_seconds_the_engine_times_in_any_gap(smollm2) -> None:
+    """The quiet second is asked only in the engine's first PATIENCE seconds: a server busy from its
+    start still times its sizes between requests."""
+    with engine(smollm2, speculative="auto", **SMALL) as e:
+        run(e, [_request(e.model, "The cat sat on the")])
+        assert QUIET - 0.5 < e.scheduler.idle_delay() <= QUIET
+        e.scheduler.started -= PATIENCE
+        assert e.scheduler.idle_delay() == 0
 
 
 def test_an_auto_server_is_healthy_before_timing_and_fills_the_table_while_idle(smollm2) -> None:

@@ -4,8 +4,8 @@ One single-thread executor runs every scheduler step and every other call that t
 context, so llama.cpp only ever sees one thread. `llama_decode` releases the GIL, so the event loop
 keeps serving HTTP while a step runs. With no work, the thread does the scheduler's idle work
 (`Scheduler.idle`: a ubatch timing for `--speculative auto`) one short piece at a time, looking for
-requests between pieces; a timing waits until the engine has served nothing for a moment
-(`Scheduler.idle_delay`).
+requests between pieces; in the engine's first seconds a timing waits until it has served nothing
+for a moment (`Scheduler.idle_delay`).
 """
 
 from __future__ import annotations

@@ -45,11 +45,13 @@ _log = logging.getLogger("kvserve.scheduler")
 # How long one piece of idle work waits for reads the cache does off the engine thread: a request
 # arriving meanwhile waits no longer than that.
 IDLE_WAIT = 0.05
-# A ubatch timing starts only once the engine has served nothing for this long: requests come in
-# bursts (an agent's next turn, the clients of a restarted server), and one that arrives during a
-# timing waits for its decode (20-60 ms on a 1.5B, the most of what a restart's first token spent
-# beyond llama-server's restore).
+# In its first PATIENCE seconds, the engine starts a ubatch timing only once it has served nothing
+# for QUIET: a started server's first requests come in a burst (clients retrying, a router sending
+# its traffic back), and one that arrives during a timing waits for its decode (20-60 ms on a 1.5B,
+# most of what a restart's first token spent beyond llama-server's restore). Later any gap between
+# requests times a size, as before: a server busy from its start must still learn its prices.
 QUIET = 1.0
+PATIENCE = 10.0
 
 
 @dataclass
@@ -89,6 +91,7 @@ class Scheduler:
         self._aborts: deque[tuple[str, str | None]] = deque()
         self._batch = Batch(pool.ctx.n_batch)
         self.last_progress = time.monotonic()  # when a step last evaluated tokens or ended a request
+        self.started = self.last_progress
         self.snapshot = self._take_snapshot()
 
     # -- called from any thread --------------------------------------------------------------------
@@ -144,11 +147,13 @@ class Scheduler:
         return self.kv.cache.pending() or self.speculator.cost.next_to_time() is not None
 
     def idle_delay(self) -> float:
-        """Seconds before `idle` should run (its work being `wants_idle`): none for the cache's reads,
-        what is left of `QUIET` since the engine last served for a ubatch timing."""
-        if self.kv.cache.pending():
+        """Seconds before `idle` should run (its work being `wants_idle`): none for the cache's reads;
+        for a ubatch timing in the first `PATIENCE` seconds, what is left of `QUIET` since the
+        engine last served."""
+        now = time.monotonic()
+        if self.kv.cache.pending() or now - self.started >= PATIENCE:
             return 0.0
-        return max(0.0, self.last_progress + QUIET - time.monotonic())
+        return max(0.0, self.last_progress + QUIET - now)
 
     def idle(self) -> None:
         """With nothing to serve (engine thread): take in what the cache read off the engine thread
