@@ -40,6 +40,7 @@ their threads waiting on each other through the busy core.
 
 python -m bench speculative [--quick] [--cells 'kvserve-*/edit/1' 'llama-server-*/edit/1']
 python -m bench.speculative [--quick] [--cells ...] [--hog] [--pair kvserve-auto-nodraft|kvserve-off-twin] [--rounds 3] [--threads 1]
+    [--also llama-server-ngram-mod]
 """
 
 from __future__ import annotations
@@ -373,12 +374,14 @@ def cpu_hog() -> Iterator[str]:
 
 
 def main(quick: bool = False, cells: list[str] | None = None, hog: bool = False, pair: str | None = None,
-         rounds: int | None = None, threads: int | None = None) -> str:
+         rounds: int | None = None, threads: int | None = None, also: str | None = None) -> str:
     global PAIRED, PAIRED_ROUNDS, THREADS
     if threads:
         THREADS = threads
     if pair:
         PAIRED = (PAIRED[0], pair)
+    if also:  # a third server in the pair's turns: auto against it, run by run, under the same drift
+        PAIRED = (*PAIRED[:2], also)
     if rounds:
         PAIRED_ROUNDS = (PAIRED_ROUNDS[0], rounds)
     target, draft = part_model("qwen2.5-coder-1.5b"), part_model("qwen2.5-coder-0.5b")
@@ -452,9 +455,14 @@ def paired_runs(rows: list[dict]) -> list[str]:
         ratios = [a / o for o, a in zip(off, auto) if o and a]
         spread = f"{max(ratios) - min(ratios):.2f}x" if len(ratios) > 1 else "-"
         drafted = runs(PAIRED[1], r["workload"], r["users"], "runs_drafted")
-        lines.append(f"| {r['workload']} | {r['users']} | {', '.join(f'{t:.1f}' for t in off)} "
-                     f"| {', '.join(f'{t:.1f}' for t in auto)} | {', '.join(f'{x:.2f}x' for x in ratios) or '-'} "
-                     f"| {spread} | {', '.join(map(str, drafted)) or '-'} |")
+        line = (f"| {r['workload']} | {r['users']} | {', '.join(f'{t:.1f}' for t in off)} "
+                f"| {', '.join(f'{t:.1f}' for t in auto)} | {', '.join(f'{x:.2f}x' for x in ratios) or '-'} "
+                f"| {spread} | {', '.join(map(str, drafted)) or '-'} |")
+        if len(PAIRED) > 2:  # `--also`: the third server's rates and auto's ratio to it, by run
+            third = runs(PAIRED[2], r["workload"], r["users"])
+            line += (f" {', '.join(f'{t:.1f}' for t in third) or '-'} "
+                     f"| {', '.join(f'{a / t:.2f}x' for a, t in zip(auto, third) if a and t) or '-'} |")
+        lines.append(line)
     return lines
 
 
@@ -475,8 +483,12 @@ def report(rows: list[dict], name: str = "speculative", label: str | None = None
                      f"| {r['ttft']:.2f} |")
     pairs = paired_runs(rows)
     if pairs:
-        lines += ["", "| workload | users | off tok/s by run | auto tok/s by run | auto / off by run | spread "
-                  "| auto's drafted tokens by run |", "|---|---|---|---|---|---|---|", *pairs]
+        head = ("| workload | users | off tok/s by run | auto tok/s by run | auto / off by run | spread "
+                "| auto's drafted tokens by run |")
+        rule = "|---|---|---|---|---|---|---|"
+        if len(PAIRED) > 2:
+            head, rule = head + f" {PAIRED[2]} tok/s by run | auto / {PAIRED[2]} by run |", rule + "---|---|"
+        lines += ["", head, rule, *pairs]
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for what, measured, goal in targets(rows):
         shown, met = ("-", "-") if measured is None else (f"{measured:.2f}x", "yes" if measured >= goal else "no")
@@ -500,5 +512,7 @@ if __name__ == "__main__":
                                                    f"(default {PAIRED_ROUNDS[1]}): more requests for a noisy cell")
     parser.add_argument("--threads", type=int, help=f"each server's threads (default {THREADS}); beside --hog on 2 "
                                                     "cores, 1: llama.cpp's threads wait on each other through a busy core")
+    parser.add_argument("--also", help="a third server measured in the pair's turns (e.g. llama-server-ngram-mod): "
+                                       "auto against it by run, under the same drift")
     args = parser.parse_args()
-    print(main(args.quick, args.cells, args.hog, args.pair, args.rounds, args.threads))
+    print(main(args.quick, args.cells, args.hog, args.pair, args.rounds, args.threads, args.also))

@@ -357,6 +357,25 @@ def test_speculative_targets_divide_cells_of_the_same_run(tmp_path: Path, monkey
     assert (tmp_path / "speculative.md").read_text() == text + "\n"
 
 
+def test_speculative_also_pairs_a_third_server_run_by_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--also`: a third server served in the pair's turns; the report gives its rates and auto's ratio
+    to it run by run, and the three are one group."""
+    from bench import speculative
+
+    monkeypatch.setattr(speculative, "RESULTS", tmp_path)
+    monkeypatch.setattr(speculative, "PAIRED", ("kvserve-off", "kvserve-auto", "llama-server-ngram-mod"))
+
+    def row(server: str, runs: list[float]) -> dict:
+        return {"server": server, "workload": "edit", "users": 1, "decode_tps": sum(runs) / len(runs), "ttft": 0.5,
+                "errors": [], "runs_tps": runs, "runs_drafted": [5, 6]}
+    rows = [row("kvserve-off", [20.0, 30.0]), row("kvserve-auto", [40.0, 45.0]), row("llama-server-ngram-mod", [25.0, 30.0])]
+    text = speculative.report(rows)
+    assert "| edit | 1 | 20.0, 30.0 | 40.0, 45.0 | 2.00x, 1.50x | 0.50x | 5, 6 | 25.0, 30.0 | 1.60x, 1.50x |" in text
+    named = [speculative.Server(n, (), ()) for n in ("kvserve-off", "kvserve-auto", "kvserve-ngram", "llama-server-ngram-mod")]
+    assert [[s.name for s in g] for g in speculative.groups(named)] == [
+        ["kvserve-off", "kvserve-auto", "llama-server-ngram-mod"], ["kvserve-ngram"]]
+
+
 def test_speculative_cells_filter_by_glob_and_draft_cells_need_the_draft_model(tmp_path: Path) -> None:
     from bench import speculative
 
