@@ -101,6 +101,31 @@ def test_pages_host_memory_cannot_keep_still_reach_the_disk(smollm2: Path, tmp_p
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
 
 
+def test_pages_read_past_the_host_budget_are_recent_after_the_next_restart(smollm2: Path, tmp_path: Path) -> None:
+    """A restart's attach reads its run from disk without touching the files; the promotion that
+    follows reads what host memory takes and touches those. The pages past the host budget must be
+    touched too, or the restart after finds them as old as before and evicts them first (a mutation
+    that leaves them fails)."""
+    small = {"prefix_state_mb": 1}
+    with disk_engine(smollm2, tmp_path, **small) as e:
+        prompt = e.model.tokenize(TEXT, add_special=True)
+        run_traced(e, [traced(prompt)])
+    files = list((tmp_path / "pages").rglob("*.page"))
+    hour_ago = os.stat(files[0]).st_mtime - 3600
+    for f in files:
+        os.utime(f, (hour_ago, hour_ago))
+    with disk_engine(smollm2, tmp_path, **small) as e:
+        request = traced(prompt)
+        run_traced(e, [request])
+        assert request.state.cached_tokens == min(len(prompt) // 16 * 16, len(prompt) - 1)
+        e.cache.settle(timeout=None)
+        run = e.cache.matched_keys(PrefixKey("", prompt))
+        assert len(run) == len(prompt) // 16
+        assert e.cache.stats().held_pages < len(run) - 2  # most of the run is past the host budget
+    run_files = [tmp_path / "pages" / k.hex()[:2] / f"{k.hex()}.page" for k in run]
+    assert all(os.stat(f).st_mtime > hour_ago + 1800 for f in run_files)
+
+
 def test_a_damaged_page_ends_the_run_read_from_disk(smollm2: Path, tmp_path: Path) -> None:
     """A restart reads its run of pages from disk straight into the stream; a damaged file in the
     middle of the run ends it there: the pages before it attach, equal to scratch, the file is

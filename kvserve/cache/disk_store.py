@@ -32,8 +32,9 @@ Invariants:
 - eviction order: only pages none of whose children are indexed (leaves: chains shrink from their
   tail, so a page on disk keeps its parent there), cold (never hit by `get` since the store opened)
   before hot, then least recently used first. Recency across a restart comes from the files' mtimes
-  (set by the write and by each hit); hotness does not survive a restart: every page starts cold. A
-  forged cycle of parents, which no SHA-256 chain makes, falls back to plain cold/LRU order;
+  (set by the write, by each hit and by `touch`); hotness does not survive a restart: every page
+  starts cold. A forged cycle of parents, which no SHA-256 chain makes, falls back to plain cold/LRU
+  order;
 - callbacks: `on_stored(entry)` runs on the writer thread once per file written and renamed into
   place (a replacement too: the key stays announced); `on_removed(entry)` runs once per key that
   leaves the index (eviction on the writer thread; a failed `get` or `discard` on the caller's). Files
@@ -616,6 +617,22 @@ class DiskStore:
         for name in dirty:
             _fsync_dir(Path(name))
         self._last_dir_sync = time.monotonic()
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark the pages of `keys` on disk used now, in memory and in their files' mtimes, as a hit
+        of `get` does, without reading them (a reader that took them some other way)."""
+        paths = []
+        with self._lock:
+            for key in keys:
+                if (item := self._index.get(key)) is not None and not self._closed:
+                    item.last_access = next(self._clock)
+                    self._push(key, item)
+                    paths.append(self._path(key))
+        for path in paths:
+            try:
+                os.utime(path)
+            except OSError:
+                pass
 
     # -- removal ----------------------------------------------------------------------------------------
 

@@ -289,7 +289,8 @@ class PageCache(PrefixCache):
     def _read_page(self, restore: Restore, page_key_: bytes, page: int) -> str:
         """Page number `page`, `page_key_` on disk, read into its rows of `restore`: "read", "missing",
         or "refused" by the layout. Safe on any thread."""
-        data = self._read_file(page_key_, touch=False)  # its promotion reads it again, and touches it
+        # its promotion reads it again, and touches it (or only touches it, past the host budget)
+        data = self._read_file(page_key_, touch=False)
         if data is None:
             return "missing"
         try:
@@ -445,7 +446,9 @@ class PageCache(PrefixCache):
             except StateFormatError:
                 return pages, page_key_
             nbytes += page.nbytes
-            if nbytes > budget:
+            if nbytes > budget:  # the rest stay on disk only: their recency, which a restart reads,
+                assert self.tiers.disk is not None  # is set here, for the attach read them untouched
+                self.tiers.disk.touch(keys[i:])
                 break
             pages.append(page)
         return pages, None
