@@ -592,6 +592,52 @@ def test_full_queue_drops_writes(tmp_path: Path) -> None:
         assert store.stats().queued_bytes == 0
 
 
+def test_held_writes_count_against_the_queue_only_once_let_go(tmp_path: Path) -> None:
+    """A `held` write's payload is memory its caller keeps (a page in host memory): it is queued
+    whatever the queue holds (a mutation that counts it drops 16 of these 19), and counts once the
+    caller lets it go (`release`): charged while the queue has room, else dropped, its payload let
+    go and never written."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def blocked() -> bytes:
+        started.set()
+        assert release.wait(30)
+        return b"first"
+
+    calls: list[int] = []
+
+    def payload(i: int) -> bytes:
+        calls.append(i)
+        return bytes([i]) * 3000
+
+    with DiskStore(tmp_path, 1 << 20, queue_bytes=10_000) as store:
+        k0, parent, tokens = page(0)
+        assert store.put(k0, parent, SEED, tokens, blocked, nbytes=5)
+        assert started.wait(10)
+        keys = []
+        for i in range(1, 20):
+            k, parent, tokens = page(i)
+            assert store.put(k, parent, SEED, tokens, lambda i=i: payload(i), nbytes=3000, held=True)
+            keys.append(k)
+        assert store.stats().queued == 20 and store.stats().queued_bytes == 0  # and the one being written
+        for k in keys[:4]:
+            store.release(k)  # the first three fit the queue's 10,000 bytes; the fourth is dropped
+        stats = store.stats()
+        assert stats.queued_bytes == 3 * (3000 + store_header(4)) and stats.dropped_writes == 1
+        assert stats.queued == 19
+        store.release(keys[0])  # released already: nothing changes
+        assert store.stats().queued_bytes == stats.queued_bytes
+        release.set()
+        assert store.flush(10)
+        assert len(store) == 19 and keys[3] not in store and 4 not in calls
+        assert all(store.get(k) == bytes([i + 1]) * 3000 for i, k in enumerate(keys) if i != 3)
+        assert store.stats().queued_bytes == 0
+        k, parent, tokens = page(4)
+        assert store.put(k, parent, SEED, tokens, lambda: b"again", held=True)  # dropped: it may come again
+        assert store.flush(10) and store.get(k) == b"again"
+
+
 def store_header(n_tokens: int) -> int:
     return header_size(n_tokens, 0) + 8  # a page without a tag: its header and checksum (u64)
 

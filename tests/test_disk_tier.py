@@ -33,10 +33,10 @@ TEXT = ("The harbour master kept a ledger of every ship that came in: its name, 
 
 
 @contextlib.contextmanager
-def disk_engine(model: Path, folder: Path, **overrides) -> Iterator[Engine]:
+def disk_engine(model: Path, folder: Path, queue_bytes: int = 256 * MIB, **overrides) -> Iterator[Engine]:
     """An engine whose pages go to a disk store in `folder`; closing it closes the store (writes done)."""
     chosen = settings(model, **overrides)
-    disk = DiskStore(folder, 256 * MIB)
+    disk = DiskStore(folder, 256 * MIB, queue_bytes=queue_bytes)
     loaded = Engine.load(chosen.model_settings(), chosen, tiers=Tiers(disk=disk, tag="m"))
     try:
         yield loaded
@@ -124,6 +124,23 @@ def test_pages_read_past_the_host_budget_are_recent_after_the_next_restart(smoll
         assert e.cache.stats().held_pages < len(run) - 2  # most of the run is past the host budget
     run_files = [tmp_path / "pages" / k.hex()[:2] / f"{k.hex()}.page" for k in run]
     assert all(os.stat(f).st_mtime > hour_ago + 1800 for f in run_files)
+
+
+def test_a_prompt_larger_than_the_write_queue_reaches_the_disk_whole(smollm2: Path, tmp_path: Path) -> None:
+    """Pages donated into host memory are queued for the disk whatever the write queue's byte bound
+    (host memory holds them anyway): a prompt of a dozen pages through a queue of two reaches the
+    disk whole, and a restart attaches all of it. Counting them against the queue (a mutation) lost
+    all but the first two or three: a 16k-token prompt of a 1.5B lost its second half."""
+    with disk_engine(smollm2, tmp_path, queue_bytes=MIB) as e:
+        prompt = e.model.tokenize(TEXT, add_special=True)
+        run_traced(e, [traced(prompt)])
+        assert e.cache.tiers.disk.flush(30)
+        assert e.cache.tiers.disk.stats().dropped_writes == 0
+        page_bytes = e.cache.tiers.disk.stats().bytes / len(e.cache.tiers.disk)
+    assert len(prompt) // 16 > 3 * MIB / page_bytes  # the prompt's pages: over three queues' worth
+    out, cached = _after_restart(smollm2, tmp_path, prompt)
+    assert cached == min(len(prompt) // 16 * 16, len(prompt) - 1)
+    assert_like_alone(_alone(smollm2, prompt), out, SMOLLM2_TOLERANCE)
 
 
 def test_a_damaged_page_ends_the_run_read_from_disk(smollm2: Path, tmp_path: Path) -> None:

@@ -41,7 +41,11 @@ Invariants:
   dropped or evicted while the store opens were never announced and call nothing. Callbacks run outside the lock (they
   may call `contains`, `entry`, `stats`), never concurrently for one store from the writer thread;
 - the engine thread never waits on disk writes: `put` only enqueues (a full queue drops the write,
-  counted in `dropped_writes`); `payload()` runs on the writer thread.
+  counted in `dropped_writes`); `payload()` runs on the writer thread;
+- the queue's memory: the estimated bytes of its waiting writes whose payloads only the queue keeps
+  stay within `queue_bytes`. A `held` write's payload is memory its caller keeps anyway (a page in
+  host memory), so it is queued whatever the queue holds and counts only once the caller lets it go
+  (`release`), or is dropped then (counted) where it would pass `queue_bytes`.
 """
 
 from __future__ import annotations
@@ -201,6 +205,12 @@ class _Job:
     payload: Callable[[], Payload]
     replace: bool
     estimate: int
+    held: bool = False  # the caller keeps the payload's memory: not in `_queued_bytes` (`release`)
+    dropped: bool = False  # released past the queue's bytes: done, the writer skips it
+
+
+def _dropped_payload() -> Payload:
+    raise AssertionError("a dropped write's payload is never asked for")
 
 
 class DiskStore:
@@ -467,13 +477,16 @@ class DiskStore:
 
     def put(self, key: bytes, parent: bytes, seed: bytes, tokens: Sequence[int],
             payload: Callable[[], Payload], tag: str = "", *, replace: bool = False,
-            nbytes: int | None = None) -> bool:
+            nbytes: int | None = None, held: bool = False) -> bool:
         """Queue a page's write and return at once; `payload()` runs later on the writer thread and returns
         the bytes (a bytes-like or array, or a sequence of them, written one after the other). `nbytes`
         estimates the payload's size for the queue's budget (default: the mean payload written so far).
         False, queuing nothing, if the page is on disk or queued already (unless `replace`: a page that
         gained rows is rewritten), if the queue's estimated bytes would pass `queue_bytes` (the write is
-        dropped and counted), or once the store is closing."""
+        dropped and counted), or once the store is closing. `held`: the payload is memory the caller
+        keeps anyway until it calls `release(key)`; the write is queued whatever the queue's bytes
+        (one prompt of 16k tokens donates 470 MB of a 1.5B's pages at once, all in host memory: a
+        256 MiB queue counting them dropped the second half)."""
         for name, value in (("key", key), ("parent", parent), ("seed", seed)):
             if len(value) != KEY_BYTES:
                 raise ValueError(f"{name} must be {KEY_BYTES} bytes")
@@ -489,22 +502,44 @@ class DiskStore:
                 if not replace:
                     return False
                 waiting.entry, waiting.payload, waiting.replace = entry, payload, True  # the latest rows win
+                if held != waiting.held:
+                    self._queued_bytes += -waiting.estimate if held else waiting.estimate
+                    waiting.held = held
                 return True
             if entry.key in self._index and not replace:
                 return False
             if nbytes is None:
                 nbytes = self._payload_bytes // self._writes if self._writes else 0
             estimate = header_size(len(tokens), len(tag.encode())) + nbytes + _SUM.size
-            if self._queued_bytes + estimate > self.queue_bytes:
+            if not held and self._queued_bytes + estimate > self.queue_bytes:
                 self._dropped += 1
                 return False
-            job = _Job(entry, payload, replace, estimate)
+            job = _Job(entry, payload, replace, estimate, held)
             self._queue.append(job)
             self._queued[entry.key] = job
-            self._queued_bytes += estimate
+            self._queued_bytes += 0 if held else estimate
             self._busy += 1
             self._work.notify_all()
         return True
+
+    def release(self, key: bytes) -> None:
+        """The caller no longer keeps the payload of `key`'s waiting `held` write (its page left host
+        memory): the write counts against `queue_bytes` from now, or is dropped (counted, its payload
+        let go) where it would pass them."""
+        with self._lock:
+            job = self._queued.get(key)
+            if job is None or not job.held:
+                return
+            if self._queued_bytes + job.estimate > self.queue_bytes:
+                del self._queued[key]
+                job.dropped, job.payload = True, _dropped_payload
+                self._dropped += 1
+                self._busy -= 1
+                if self._busy == 0:
+                    self._work.notify_all()
+                return
+            job.held = False
+            self._queued_bytes += job.estimate
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done (or `timeout` seconds pass); whether it is."""
@@ -524,8 +559,10 @@ class DiskStore:
                     job = None
                 else:
                     job = self._queue.popleft()
+                    if job.dropped:  # `release` counted it done
+                        continue
                     del self._queued[job.entry.key]
-                    self._queued_bytes -= job.estimate
+                    self._queued_bytes -= 0 if job.held else job.estimate
             if job is None:
                 self._sync_dirs()  # ran out of work: make the newest renames durable
                 continue

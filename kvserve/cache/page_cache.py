@@ -540,13 +540,14 @@ class PageCache(PrefixCache):
             key = child
 
     def _write_behind(self, node: PageNode, page: KvPage, replace: bool = False) -> None:
-        """Queue `node`'s page for the disk (serialized on the disk's writer thread)."""
+        """Queue `node`'s page for the disk (serialized on the disk's writer thread); host memory holds
+        it, so the queue does not count it until it leaves (`_left_host`)."""
         disk = self.tiers.disk
         if disk is None or node.parent is None:
             return
         seed = self.tree.root(node.namespace).key
         disk.put(node.key, node.parent.key, seed, node.tokens, lambda: self.rows.page_bytes(page),
-                 tag=self.tiers.tag, replace=replace, nbytes=page.nbytes)
+                 tag=self.tiers.tag, replace=replace, nbytes=page.nbytes, held=True)  # till `_left_host`
 
     # -- locks ----------------------------------------------------------------------------------------
 
@@ -567,6 +568,7 @@ class PageCache(PrefixCache):
 
     def _evicted(self, node: PageNode) -> None:
         """The store evicted `node`'s page (an unlocked leaf's): drop the node, free its parent."""
+        self._left_host(node)
         self._drop(node)
         self._evicted_pages += 1
         if self.tiers.events is not None:
@@ -579,6 +581,11 @@ class PageCache(PrefixCache):
             self.chains.pop(node.chain_id, None)  # tail-first: that was the chain's last page of its own
         if not parent.is_root:
             self.store.unlock(parent)
+
+    def _left_host(self, node: PageNode) -> None:
+        """`node`'s page left host memory: a write of it still queued is now the queue's to keep."""
+        if self.tiers.disk is not None:
+            self.tiers.disk.release(node.key)
 
     def rebind(self, ctx: Context) -> None:
         if any(self._locks.values()):
@@ -594,6 +601,7 @@ class PageCache(PrefixCache):
         nodes = self.tree.leaves_first()
         for node in nodes:
             self.store.discard(node)
+            self._left_host(node)
             self._drop(node)
         if self.tiers.events is not None:
             if self.tiers.disk is None:
