@@ -563,7 +563,9 @@ def test_lru_order_survives_a_restart_through_mtimes(tmp_path: Path) -> None:
         assert store.get(keys[0]) and os.path.getmtime(path_of(tmp_path, keys[0])) > now - 5  # a hit sets the mtime
 
 
-def test_full_queue_drops_writes(tmp_path: Path) -> None:
+def block_writer(store: DiskStore) -> tuple[bytes, threading.Event]:
+    """Page 0 queued with a payload that waits for the returned event: once this returns, the writer
+    is inside it and the queue is empty again. Its key, and the event."""
     release = threading.Event()
     started = threading.Event()
 
@@ -572,10 +574,15 @@ def test_full_queue_drops_writes(tmp_path: Path) -> None:
         assert release.wait(30)
         return b"first"
 
+    k0, parent, tokens = page(0)
+    assert store.put(k0, parent, SEED, tokens, blocked, nbytes=5)
+    assert started.wait(10)
+    return k0, release
+
+
+def test_full_queue_drops_writes(tmp_path: Path) -> None:
     with DiskStore(tmp_path, 1 << 20, queue_bytes=10_000) as store:
-        k0, parent, tokens = page(0)
-        assert store.put(k0, parent, SEED, tokens, blocked, nbytes=5)
-        assert started.wait(10)  # the writer is inside the first payload: the queue is empty again
+        k0, release = block_writer(store)
         accepted, t0 = [], time.perf_counter()
         for i in range(1, 20):
             k, parent, tokens = page(i)
@@ -597,14 +604,6 @@ def test_held_writes_count_against_the_queue_only_once_let_go(tmp_path: Path) ->
     whatever the queue holds (a mutation that counts it drops 16 of these 19), and counts once the
     caller lets it go (`release`): charged while the queue has room, else dropped, its payload let
     go and never written."""
-    release = threading.Event()
-    started = threading.Event()
-
-    def blocked() -> bytes:
-        started.set()
-        assert release.wait(30)
-        return b"first"
-
     calls: list[int] = []
 
     def payload(i: int) -> bytes:
@@ -612,9 +611,7 @@ def test_held_writes_count_against_the_queue_only_once_let_go(tmp_path: Path) ->
         return bytes([i]) * 3000
 
     with DiskStore(tmp_path, 1 << 20, queue_bytes=10_000) as store:
-        k0, parent, tokens = page(0)
-        assert store.put(k0, parent, SEED, tokens, blocked, nbytes=5)
-        assert started.wait(10)
+        _, release = block_writer(store)
         keys = []
         for i in range(1, 20):
             k, parent, tokens = page(i)
