@@ -432,10 +432,7 @@ class DiskStore:
                     self._push(key, current)
                 self._hits += 1
             if touch:
-                try:
-                    os.utime(path)  # recency that outlives the process (a few microseconds)
-                except OSError:
-                    pass
+                _set_mtime(path)
             return payload
         finally:
             elapsed = time.perf_counter() - start
@@ -666,10 +663,7 @@ class DiskStore:
                     self._push(key, item)
                     paths.append(self._path(key))
         for path in paths:
-            try:
-                os.utime(path)
-            except OSError:
-                pass
+            _set_mtime(path)
 
     # -- removal ----------------------------------------------------------------------------------------
 
@@ -843,6 +837,14 @@ def _read_expected(path: str, entry: DiskEntry, into: np.ndarray | None) -> memo
     digest = xxhash.xxh3_64(found)
     digest.update(payload)
     return payload if _SUM.unpack(tail)[0] == digest.intdigest() else None
+
+
+def _set_mtime(path: str) -> None:
+    """Recency that outlives the process (a few microseconds); a file gone meanwhile has none."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _read_exact(f, n: int) -> bytes:  # type: ignore[no-untyped-def]
