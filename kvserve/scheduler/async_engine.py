@@ -126,13 +126,6 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
         CORES.leave(self)
 
-    def run_now(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the engine thread before the engine starts, and wait for it. llama.cpp's CPU
-        workers belong to the thread that decodes: a decode from another thread starts a second set,
-        which then competes with the engine's for the cores."""
-        assert not self.running
-        return self._executor.submit(fn).result()
-
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread, between steps."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)

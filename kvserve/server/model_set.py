@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -36,6 +38,7 @@ from kvserve.server.catalog import ModelSpec, keep_alive_seconds
 from kvserve.server.errors import APIError
 from kvserve.server.persistence import Persistence
 
+T = TypeVar("T")
 _log = logging.getLogger("kvserve.models")
 MIB = 1024 * 1024
 
@@ -224,7 +227,7 @@ class ModelSet:
         kept = self._kept_for(model)
         try:
             tiers = self.persistence.tiers(name, model.spec.settings.page_rows)
-            engine = await asyncio.to_thread(Engine.load, model.spec.settings, self.settings, self.cache_mb, kept, tiers)
+            engine = await _on_a_thread_of_its_own(Engine.load, model.spec.settings, self.settings, self.cache_mb, kept, tiers)
         except Exception as exc:  # whatever a file makes llama.cpp or the engine refuse fails that model alone
             if kept is not None:
                 kept.release()
@@ -410,3 +413,17 @@ async def engine_for(request: Request, name: str | None, *, keep_alive: object =
         leases = request.state.model_leases = []
     leases.append(lease)
     return lease.engine
+
+
+
+async def _on_a_thread_of_its_own(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` on a thread that ends when it returns. llama.cpp's CPU workers (OpenMP's) belong to
+    the thread that decodes and live as long as it does. A load decodes (the flash-attention check;
+    the disk tier learning the state layout), and on a thread that outlived it (asyncio.to_thread's)
+    its workers stayed beside the engine's: OpenMP then spins each worker far less at a barrier, and
+    every step decoded slower (the 1.5B at 2,048 tokens: 57 ms a token, against 46 from one set)."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-load")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    finally:
+        executor.shutdown(wait=False)
