@@ -51,3 +51,13 @@ def test_an_engine_that_left_no_longer_takes_a_share() -> None:
     cores.leave("embed")  # unloaded
     with cores.share("chat", 2, lambda: True) as n:
         assert n == 2
+
+
+def test_an_engine_is_alone_until_another_starts_and_again_once_it_stops() -> None:
+    cores = Cores()
+    cores.join("chat")
+    assert cores.alone("chat")
+    cores.join("embed")
+    assert not cores.alone("chat") and not cores.alone("embed")
+    cores.leave("embed")
+    assert cores.alone("chat")

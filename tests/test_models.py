@@ -5,7 +5,10 @@ embedding model refusing to generate."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -17,6 +20,8 @@ import pytest
 from bench import llama_server
 
 from kvserve.config import Settings
+from kvserve.llama.context import Context
+from kvserve.scheduler.async_engine import THREAD_IDLE_S
 from kvserve.server.catalog import catalog, keep_alive_seconds, scan
 from kvserve.testing import ServerProcess, free_port, wait_until
 from kvserve.testing.part_models import part_model
@@ -127,6 +132,31 @@ def test_models_load_on_demand_and_each_answers_as_it_does_alone(models_dir: Pat
         assert statuses(client)["tiny"] == "loaded"
         assert client.get("/server_info?model=tiny").json()["served_model_name"] == "tiny"
         assert client.get("/server_info").json()["served_model_name"] == "smollm2"  # the first loaded
+
+
+def test_an_engine_idle_beside_another_lets_its_thread_end(models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine idle beside another model's lets the thread it decoded on end (llama.cpp's OpenMP
+    workers live as long as that thread, and beside a second set every decode is slower); alone, it
+    keeps it; a new thread serves its next request."""
+    decoders: dict[str, set[threading.Thread]] = collections.defaultdict(set)
+    real = Context.decode
+
+    def decode(self: Context, batch) -> None:
+        if threading.current_thread().name.startswith("kvserve-engine"):
+            decoders[Path(self.model.info.path).stem].add(threading.current_thread())
+        real(self, batch)
+
+    monkeypatch.setattr(Context, "decode", decode)
+    with several(models_dir, speculative="off") as (client, _):
+        assert chat(client, "smollm2").status_code == 200
+        time.sleep(THREAD_IDLE_S * 2)
+        (first,) = decoders["smollm2"]
+        assert first.is_alive()  # alone: it keeps its thread
+        assert chat(client, "tiny").status_code == 200
+        first.join(timeout=THREAD_IDLE_S * 10)
+        assert not first.is_alive()
+        assert chat(client, "smollm2").status_code == 200
+        assert len(decoders["smollm2"]) == 2
 
 
 def test_a_broken_file_fails_alone(models_dir: Path) -> None:

@@ -6,13 +6,20 @@ keeps serving HTTP while a step runs. With no work, the thread does the schedule
 (`Scheduler.idle`: a ubatch timing for `--speculative auto`) one short piece at a time, looking for
 requests between pieces; in the engine's first seconds a timing waits until it has served nothing
 for a moment (`Scheduler.idle_delay`).
+
+Beside another model's engine, an engine with nothing to do for `THREAD_IDLE_S` lets its thread end
+(the next call starts another). llama.cpp's OpenMP workers belong to the thread that decoded and
+live as long as it does; while two sets live, libgomp manages more threads than there are cores and
+spins each worker far less at a barrier, so the other engine decodes slower (the 1.5B: 46-47 ms a
+token beside an idle embedding model's engine, 32 alone). Alone, an engine keeps its thread: a new
+one cost a SmolLM2 request 3-6 ms.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 from kvserve.scheduler.cores import CORES
@@ -22,6 +29,7 @@ from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.stall_watch import StallWatch
 
 T = TypeVar("T")
+THREAD_IDLE_S = 1.0  # an engine idle this long beside another lets its thread end
 
 
 class EngineStopped(RuntimeError):
@@ -88,7 +96,8 @@ class AsyncEngine:
         self.threads = self._threads_now = threads  # --threads: what its contexts were made with
         self.max_queue = max_queue
         self.stall_watch = StallWatch(scheduler, stall_seconds, self.call)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
+        self._executor: ThreadPoolExecutor | None = None  # started by the first call after an idle spell
+        self._last_call: Future | None = None  # the thread runs calls in order: once it is done, all are
         self._streams: dict[str, RequestStream] = {}
         self._embedding_jobs = 0  # awaited by `embed`
         self._wakeup = asyncio.Event()
@@ -112,6 +121,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        CORES.join(self)
         self._task = loop.create_task(self._loop(), name="kvserve-engine-loop")
         self._watch_task = loop.create_task(self.stall_watch.run(), name="kvserve-stall-watch")
 
@@ -123,12 +133,33 @@ class AsyncEngine:
                     await task
                 except asyncio.CancelledError:
                     pass
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         CORES.leave(self)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread, between steps."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
+        self._last_call = self._executor.submit(fn)
+        return await asyncio.wrap_future(self._last_call)
+
+    async def _wait_for_work(self) -> None:
+        """Until woken; each `THREAD_IDLE_S` without work while another engine runs, let the thread end."""
+        while True:
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), THREAD_IDLE_S)
+                return
+            except asyncio.TimeoutError:
+                if not CORES.alone(self):
+                    self._end_thread()
+
+    def _end_thread(self) -> None:
+        """Let the engine thread end, once nothing submitted to it is left to run (never two threads
+        on the context: a call abandoned by its caller still runs to its end first)."""
+        if self._executor is not None and (self._last_call is None or self._last_call.done()):
+            self._executor.shutdown(wait=False)
+            self._executor = None
 
     def open(self, request: Request) -> RequestStream:
         """Submit a request; its stream must be closed when read. Past `--parallel` + `--max-queue` requests in
@@ -193,13 +224,12 @@ class AsyncEngine:
         return len(left) + failed
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if not self.scheduler.has_work():
                 if not self.scheduler.wants_idle():
-                    await self._wakeup.wait()
+                    await self._wait_for_work()
                 elif (delay := self.scheduler.idle_delay()) <= 0:  # one piece of idle work, then look again
-                    await loop.run_in_executor(self._executor, self._with_threads, self.scheduler.idle)
+                    await self.call(lambda: self._with_threads(self.scheduler.idle))
                     continue
                 else:  # not yet: unless a request comes first
                     try:
@@ -208,7 +238,7 @@ class AsyncEngine:
                         continue
             self._wakeup.clear()
             started = time.perf_counter()
-            outputs = await loop.run_in_executor(self._executor, self._step)
+            outputs = await self.call(self._step)
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is None:

@@ -25,6 +25,7 @@ class Cores:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._busy: dict[object, int] = {}  # engine -> its own --threads, while it has work
+        self._running: set[object] = set()  # every engine started and not stopped
         self._in_use = 0
 
     @contextlib.contextmanager
@@ -48,11 +49,22 @@ class Cores:
                     self._busy.pop(engine, None)
                 self._cond.notify_all()
 
+    def join(self, engine: object) -> None:
+        """`engine` starts (its model loaded)."""
+        with self._cond:
+            self._running.add(engine)
+
     def leave(self, engine: object) -> None:
         """`engine` stops (its model unloads): it no longer counts as having work."""
         with self._cond:
             self._busy.pop(engine, None)
+            self._running.discard(engine)
             self._cond.notify_all()
+
+    def alone(self, engine: object) -> bool:
+        """Whether no other engine is running beside `engine`."""
+        with self._cond:
+            return self._running <= {engine}
 
 
 CORES = Cores()  # one per process: every engine of the server shares the machine's cores
