@@ -10,6 +10,20 @@ from dataclasses import dataclass, field
 import httpx
 
 
+_TIMING: httpx.Client | None = None
+
+
+def timing_client() -> httpx.Client:
+    """One client for every timed request of a synchronous bench: building one (its TLS context, even
+    for http) took 16-33 ms on this box, which an `httpx.post` per request put inside every time
+    measured (twice inside llama-server's slot restore and prompt)."""
+    global _TIMING
+    if _TIMING is None:
+        # a fresh connection for each request: servers come and go, and llama-server drops idle ones
+        _TIMING = httpx.Client(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
+    return _TIMING
+
+
 @dataclass
 class Result:
     ttft: float = 0.0

@@ -49,6 +49,7 @@ from pathlib import Path
 import httpx
 
 from bench import llama_server, report
+from bench.client import timing_client
 from bench.embeddings import texts as embedding_texts
 from bench.stats import markdown_table, percentile
 from kvserve.testing import ServerProcess, free_port, http_get, kvserve_command
@@ -196,7 +197,7 @@ def ready(ep: Endpoints) -> dict:
     if ep.chat_url == ep.embed_url:
         for model in (ep.chat_model, ep.embed_model):
             t = time.monotonic()
-            response = httpx.post(f"{ep.chat_url}/models/load", json={"model": model}, timeout=CAP, trust_env=False)
+            response = timing_client().post(f"{ep.chat_url}/models/load", json={"model": model}, timeout=CAP)
             response.raise_for_status()
             took[f"load_{model}_s"] = time.monotonic() - t
     asyncio.run(settle(ep))
@@ -417,8 +418,8 @@ async def chat_once(url: str, model: str, messages: list[dict], max_tokens: int 
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     out = {"ttft_s": None, "prompt_tokens": None, "cached_tokens": None}
-    began = time.perf_counter()
     async with httpx.AsyncClient(trust_env=False, timeout=CAP) as client:
+        began = time.perf_counter()  # after the client is built: building one took 16-33 ms here
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 return {**out, "error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
@@ -438,7 +439,7 @@ async def chat_once(url: str, model: str, messages: list[dict], max_tokens: int 
 
 def timed_post(url: str, path: str, body: dict) -> float:
     began = time.perf_counter()
-    httpx.post(f"{url}{path}", json=body, timeout=CAP, trust_env=False).raise_for_status()
+    timing_client().post(f"{url}{path}", json=body, timeout=CAP).raise_for_status()
     return time.perf_counter() - began
 
 
@@ -459,8 +460,8 @@ def load_latency(folder: Path, run: int) -> dict:
 
         def embed_once(step: str) -> float:
             began = time.perf_counter()
-            r = httpx.post(f"{p.url}/v1/embeddings", json={"model": EMBED, "input": embedding_texts(1)}, timeout=CAP,
-                           trust_env=False)
+            r = timing_client().post(f"{p.url}/v1/embeddings", json={"model": EMBED, "input": embedding_texts(1)},
+                                     timeout=CAP)
             r.raise_for_status()
             return time.perf_counter() - began
 

@@ -49,9 +49,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import httpx
-
 from bench import compare, llama_server, report, workloads
+from bench.client import timing_client
 from bench.stats import markdown_table, summarize
 from kvserve.config import embedded_model_path
 from kvserve.testing import ServerProcess, free_port, http_get, kvserve_command, read_metrics
@@ -128,23 +127,9 @@ def prompts(model_path: Path, sizes: list[int]) -> dict[int, list[int]]:
 
 # -- requests ---------------------------------------------------------------------------------------------
 
-_CLIENT: httpx.Client | None = None
-
-
-def client() -> httpx.Client:
-    """One client for every timed request: building one (its TLS context, even for http) took 16-33 ms
-    on this box, which a `httpx.post` per request put inside every time measured, twice inside
-    llama-server's restore and prompt."""
-    global _CLIENT
-    if _CLIENT is None:
-        # a fresh connection for each request: servers come and go, and llama-server drops idle ones
-        _CLIENT = httpx.Client(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
-    return _CLIENT
-
-
 def post(url: str, path: str, body: dict, timeout: float = CAP) -> tuple[dict, float]:
     began = time.perf_counter()
-    response = client().post(f"{url}{path}", json=body, timeout=timeout)
+    response = timing_client().post(f"{url}{path}", json=body, timeout=timeout)
     seconds = time.perf_counter() - began
     if response.status_code != 200:
         raise RuntimeError(f"POST {path}: HTTP {response.status_code}: {response.text[:300]}")
@@ -155,7 +140,7 @@ def streamed(url: str, path: str, body: dict, timeout: float = CAP) -> tuple[lis
     """POST `body` with `stream` on: its events, the seconds to the first one carrying text (the time to
     first token) and to the end of the response."""
     began, first, events = time.perf_counter(), None, []
-    with client().stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=timeout) as response:
+    with timing_client().stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=timeout) as response:
         if response.status_code != 200:
             raise RuntimeError(f"POST {path}: HTTP {response.status_code}: {response.read()[:300]!r}")
         for line in response.iter_lines():
