@@ -30,11 +30,10 @@ matches the tree's pages, then the run of keys that follow them on disk; each fi
 store, then against this context's layout (a page that fails either is discarded and ends the run,
 never attached). Attach reads each file of the run straight into its rows' places in the state
 blob (`SeqState.restore`). Nothing read from disk is copied into host memory before
-the first token, nor on the engine thread: the session's last insert, as it ends, donates only the
-pages after the run, and has a reading thread read the run into host memory (`_promote`); the engine
-thread takes them into the tree and the host store, as if donated, then the pages after them, when
-the read is done (`settle`: at the next attach or insert, or while the engine idles). Those the host
-budget cannot take stay on disk only; a run whose pages before it left host memory meanwhile stays
+the first token: the session's last insert, as it ends, donates only the pages after the run, and
+leaves the run to read into host memory while the engine idles (`_promote`, `settle`: a slice at a
+time, a request waiting for no more than one), then takes them into the tree and the host store,
+as if donated, then the pages after them. Those the host budget cannot take stay on disk only; a run whose pages before it left host memory meanwhile stays
 on disk. A sliding-window model reads them into the tree and the host store at attach, its window
 checked first.
 Pages evicted from host memory stay on disk. Each page entering or leaving host memory is an event
@@ -45,8 +44,9 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -89,14 +89,15 @@ class Chain:
 
 @dataclass
 class _Promotion:
-    """A run of pages read from disk into host memory off the engine thread, as a session ending
+    """A run of pages to read from disk into host memory while the engine idles, as a session ending
     asked: the pages of `keys`, page `first` on of `key`, then `tail` (donated from the session)."""
     preview: str
     key: PrefixKey
     first: int
     keys: list[bytes]
     tail: list[KvPage]
-    read: Future  # of (the pages read, from the first; the key of a file refused, or None)
+    pages: list[KvPage] = field(default_factory=list)  # read so far, from the first
+    nbytes: int = 0
 
 
 class PageCache(PrefixCache):
@@ -126,7 +127,7 @@ class PageCache(PrefixCache):
         self._next_chain = 1
         self._reader = ThreadPoolExecutor(2, thread_name_prefix="kvserve-disk-read")
         self._thread = threading.local()  # each reading thread's buffer for the pages it reads
-        self._promotions: list[_Promotion] = []  # runs read from disk, waiting for `settle`
+        self._promotions: list[_Promotion] = []  # runs to read from disk by `settle`, in order
         self.windows_filled = 0  # windows read alone into pages already cached (PARTIAL_ONLY)
         self.tiers = tiers
         self.disk_refused = 0  # pages read from disk that did not fit this context's layout
@@ -216,7 +217,6 @@ class PageCache(PrefixCache):
         """Set the longest cached run of whole pages of `key` into an empty session's stream, all but
         the prompt's last token."""
         self.check_attachable(session, key)
-        self.settle()
         path, on_disk = self._match(key)
         self._queried_tokens += len(key.tokens)
         if on_disk and not self.rows.n_swa:
@@ -235,7 +235,7 @@ class PageCache(PrefixCache):
     def _attach_streamed(self, session: Session, key: PrefixKey, path: list[PageNode], keys: list[bytes]) -> list[int]:
         """Attach `path`'s pages and then the run of `keys` read from disk, each file read straight
         into its place in the state blob: nothing read from disk is copied into host memory before
-        the first token (as the session ends, a reading thread brings them there: `_promote`). A
+        the first token (as the session ends, `_promote` leaves them to the engine's idle time). A
         file that fails a check ends the run before it."""
         pages = [self.store.get(node) for node in path]
         n_pages = len(path) + len(keys)
@@ -258,8 +258,8 @@ class PageCache(PrefixCache):
         the layout, ends the count; a refused one is removed). Each page's work outside its system
         calls, hash and copy is a few microseconds, so the two overlap: inside a served restart, 512
         pages of a 1.5B took 34-45 ms where one thread took 71-100 ms (the store's earlier read, 45 us
-        of Python a page, made two threads slower than one). The reading thread may be busy (a promotion, the blob's
-        mapping at start): this thread then reads every page, and the other, once it starts, none."""
+        of Python a page, made two threads slower than one). The reading thread may be busy (the blob's mapping at
+        start): this thread then reads every page, and the other, once it starts, none."""
         taking, pages = threading.Lock(), iter(range(len(keys)))
         ended = [len(keys)]  # the first page that did not come in whole
         refused: list[bytes] = []  # removed here, on the engine thread, once both threads are done
@@ -358,12 +358,11 @@ class PageCache(PrefixCache):
         recently used first, whatever its `kind`. Pages that do not fit the budget are not kept.
         Where pages after those in host memory are on disk, nothing after them is donated before
         the session is `ending` (a prompt attached from disk pays no read into host memory before its
-        first token); as it ends, the pages after the run are donated and written to disk, and a
-        reading thread reads the run into host memory (`_promote`, stored by `settle`).
+        first token); as it ends, the pages after the run are donated and written to disk, and the
+        run is left to read into host memory while the engine idles (`_promote`, `settle`).
         """
         if session.tokens[: len(tokens)] != tuple(tokens):
             raise ValueError("insert takes tokens the session has evaluated, in order")
-        self.settle()
         chain = self._donate(session, tokens, preview, ending)
         if self.rows.n_swa and len(tokens) == session.n_past and len(tokens) % self.page_rows == 0:
             self._keep_window(session, len(tokens))
@@ -423,13 +422,11 @@ class PageCache(PrefixCache):
         return added, pages[len(added):]
 
     def _promote(self, preview: str, key: PrefixKey, first: int, keys: list[bytes], tail: list[KvPage]) -> None:
-        """Have a reading thread read the run of `keys` (page `first` on of `key`) into host memory,
-        no more than the host budget; `settle` stores them, then `tail`. A run already on its way is
-        not read twice."""
-        if any(job.keys[0] == keys[0] for job in self._promotions):
-            return
-        read = self._reader.submit(self._read_run, keys, first, self.store.budget_bytes)
-        self._promotions.append(_Promotion(preview[:80], key, first, keys, tail, read))
+        """Have `settle` read the run of `keys` (page `first` on of `key`) into host memory while the
+        engine idles, no more than the host budget, and store them, then `tail`. A run already
+        waiting is not read twice."""
+        if not any(job.keys[0] == keys[0] for job in self._promotions):
+            self._promotions.append(_Promotion(preview[:80], key, first, keys, tail))
 
     def _read_run(self, keys: list[bytes], first: int, budget: float) -> tuple[list[KvPage], bytes | None]:
         """The pages of `keys` (page `first` on), each checked against this context's layout, from
@@ -454,27 +451,50 @@ class PageCache(PrefixCache):
         return pages, None
 
     def pending(self) -> bool:
-        """Runs read from disk wait to be stored, or the blob's buffer is still being mapped: the
-        engine's idle work waits for it rather than timing ubatches beside it (on 2 cores each
-        slows the other, and a restarted server's first restore wants that buffer)."""
+        """Runs wait to be read from disk into host memory, or the blob's buffer is still being
+        mapped: the engine's idle work does them rather than timing ubatches beside them (on 2 cores
+        each slows the other, and a restarted server's first restore wants that buffer)."""
         return bool(self._promotions) or (self.rows.reserving is not None and not self.rows.reserving.done())
 
     def settle(self, timeout: float | None = 0) -> None:
-        """Store the runs read from disk whose reads are done (after waiting up to `timeout` seconds
-        for them, None: for all): each under the pages before it, as if donated, then its tail.
-        With none, wait up to `timeout` for the blob's buffer being mapped."""
+        """Up to `timeout` seconds (None: until done) of reading the runs waiting, on this thread (the
+        engine's, while it idles: a reading thread beside a step's decode made the decode of the
+        request after a restart at 8,192 tokens take 254 ms instead of 85); each run, once read, is
+        stored under the pages before it, as if donated, then its tail. With none, wait up to
+        `timeout` for the blob's buffer being mapped."""
         if not self._promotions:
             if self.rows.reserving is not None:
                 wait([self.rows.reserving], timeout)
             return
-        wait([job.read for job in self._promotions], timeout)
-        done = [job for job in self._promotions if job.read.done()]
-        self._promotions = [job for job in self._promotions if not job.read.done()]
-        for job in done:
-            pages, refused = job.read.result() if job.read.exception() is None else ([], None)
-            if refused is not None:
-                self._refused(refused)
-            self._store_promoted(job, pages + (job.tail if len(pages) == len(job.keys) else []))
+        deadline = math.inf if timeout is None else time.perf_counter() + timeout
+        while self._promotions and time.perf_counter() < deadline:
+            job = self._promotions[0]
+            if self._read_promotion(job, deadline):
+                self._promotions.pop(0)
+                self._store_promoted(job, job.pages + (job.tail if len(job.pages) == len(job.keys) else []))
+
+    def _read_promotion(self, job: _Promotion, deadline: float) -> bool:
+        """Read the job's next pages until `deadline`; whether its run is read: whole, or ended by a
+        page missing, refused (and removed) or past the host budget (those after it stay on disk
+        only; their recency, which a restart reads, is set here)."""
+        while (i := len(job.pages)) < len(job.keys):
+            if time.perf_counter() >= deadline:
+                return False
+            data = self._read_file(job.keys[i])
+            if data is None:
+                return True
+            try:
+                page = self.rows.page_from_bytes(data, (job.first + i) * self.page_rows, self.page_rows)
+            except StateFormatError:
+                self._refused(job.keys[i])
+                return True
+            job.nbytes += page.nbytes
+            if job.nbytes > self.store.budget_bytes:
+                assert self.tiers.disk is not None
+                self.tiers.disk.touch(job.keys[i:])
+                return True
+            job.pages.append(page)
+        return True
 
     def _store_promoted(self, job: _Promotion, pages: list[KvPage]) -> None:
         """Store `pages` (page `job.first` on) under the tree's path before them, those not there yet;
@@ -596,8 +616,7 @@ class PageCache(PrefixCache):
         """Drop every page; no session may still hold one."""
         if any(self._locks.values()):
             raise RuntimeError("sessions still read cached pages: end them first")
-        wait([job.read for job in self._promotions])
-        self._promotions = []  # what they read stays on disk
+        self._promotions = []  # their pages stay on disk
         nodes = self.tree.leaves_first()
         for node in nodes:
             self.store.discard(node)

@@ -70,12 +70,11 @@ class PrefixCache(ABC):
         pages, a checkpoint), or None when nothing new was."""
 
     def pending(self) -> bool:
-        """Whether work it does off the engine thread waits for `settle`."""
+        """Whether work waits for `settle`, which the engine does while it idles."""
         return False
 
     def settle(self, timeout: float | None = 0) -> None:
-        """Take in the work done off the engine thread (waiting up to `timeout` seconds for it; None:
-        for all of it)."""
+        """Up to `timeout` seconds (None: all) of the work kept for the engine's idle time."""
 
     @abstractmethod
     def unlock(self, session: Session) -> None:

@@ -42,9 +42,9 @@ from kvserve.scheduler.ubatch_cost import attended_keys
 
 _log = logging.getLogger("kvserve.scheduler")
 
-# How long one piece of idle work waits for reads the cache does off the engine thread: a request
-# arriving meanwhile waits no longer than that.
-IDLE_WAIT = 0.05
+# How long one piece of the cache's idle work (reading pages from disk into host memory) runs: a
+# request arriving meanwhile waits no longer than that.
+IDLE_WAIT = 0.01
 # In its first PATIENCE seconds, the engine starts a ubatch timing only once it has served nothing
 # for QUIET: a started server's first requests come in a burst (clients retrying, a router sending
 # its traffic back), and one that arrives during a timing waits for its decode (20-60 ms on a 1.5B,
@@ -156,13 +156,13 @@ class Scheduler:
         return max(0.0, self.last_progress + QUIET - now)
 
     def idle(self) -> None:
-        """With nothing to serve (engine thread): take in what the cache read off the engine thread
-        (waiting a moment for it); else time the smallest ubatch size `auto` has no price for yet,
-        alone, and given up at the first decode a request finds it in: a request arriving meanwhile
-        waits for one decode, not the timing (a restarted 1.5B's first request waited 0.26 s for
-        three), and the size is timed again at a later idle. It is timed in a stream the pool hands
-        out as to any new session (an empty one, else the least recently used idle one, whose rows
-        go) and left empty."""
+        """With nothing to serve (engine thread): a slice of the cache's reading from disk into host
+        memory; else time the smallest ubatch size `auto` has no price for yet, alone, and given up
+        at the first decode a request finds it in: a request arriving meanwhile waits for one
+        decode, not the timing (a restarted 1.5B's first request waited 0.26 s for three), and the
+        size is timed again at a later idle. It is timed in a stream the pool hands out as to any
+        new session (an empty one, else the least recently used idle one, whose rows go) and left
+        empty."""
         if self.kv.cache.pending():
             self.kv.cache.settle(timeout=IDLE_WAIT)
             return
