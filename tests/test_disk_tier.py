@@ -20,6 +20,7 @@ import pytest
 
 from conftest import greedy, run, run_traced, served, settings
 from equality import SMOLLM2_TOLERANCE, TINY_TOLERANCE, TOP, assert_like_alone
+from kvserve.cache import page_cache
 from kvserve.cache.disk_store import DiskStore
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.cache.tiers import Tiers
@@ -148,6 +149,23 @@ def test_a_restarts_run_comes_into_host_memory_only_in_the_engines_idle_slices(s
         e.cache.settle(timeout=None)
         assert disk.stats().hits >= reads + len(prompt) // 16 - 1
         assert e.cache.stats().held_pages >= len(prompt) // 16 and not e.cache.pending()
+
+
+def test_runs_waiting_for_an_idle_engine_are_bounded(smollm2: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that never idles never reads its restarts' runs into host memory: past
+    `MAX_PROMOTIONS` runs waiting (each holding its tail's pages), the oldest is dropped and stays on
+    disk only, so memory stays bounded (a mutation that keeps every run fails)."""
+    monkeypatch.setattr(page_cache, "MAX_PROMOTIONS", 2)
+    with disk_engine(smollm2, tmp_path) as e:
+        prompts = [e.model.tokenize(f"Story number {i}. " + TEXT, add_special=True) for i in range(3)]
+        run_traced(e, [traced(p) for p in prompts])
+    with disk_engine(smollm2, tmp_path) as e:
+        for prompt in prompts:  # one at a time: each attaches its run from disk, then leaves it waiting
+            run_traced(e, [traced(prompt)])
+        e.cache.settle(timeout=None)
+        in_host = [len(e.cache.tree.match(PrefixKey("", p), len(p) // 16)) for p in prompts]
+    assert in_host[0] == 0 and min(in_host[1:]) >= len(prompts[1]) // 16 - 1, in_host
 
 
 def test_a_prompt_larger_than_the_write_queue_reaches_the_disk_whole(smollm2: Path, tmp_path: Path) -> None:

@@ -87,6 +87,10 @@ class Chain:
         }
 
 
+# Runs waiting to be read into host memory at most: each holds its tail's pages (on disk too) until then
+MAX_PROMOTIONS = 16
+
+
 @dataclass
 class _Promotion:
     """A run of pages to read from disk into host memory while the engine idles, as a session ending
@@ -425,8 +429,11 @@ class PageCache(PrefixCache):
         """Have `settle` read the run of `keys` (page `first` on of `key`) into host memory while the
         engine idles, no more than the host budget, and store them, then `tail`. A run already
         waiting is not read twice."""
-        if not any(job.keys[0] == keys[0] for job in self._promotions):
-            self._promotions.append(_Promotion(preview[:80], key, first, keys, tail))
+        if any(job.keys[0] == keys[0] for job in self._promotions):
+            return
+        if len(self._promotions) >= MAX_PROMOTIONS:  # a server never idle: the oldest run stays on disk
+            self._promotions.pop(0)
+        self._promotions.append(_Promotion(preview[:80], key, first, keys, tail))
 
     def _read_run(self, keys: list[bytes], first: int, budget: float) -> tuple[list[KvPage], bytes | None]:
         """The pages of `keys` (page `first` on), each checked against this context's layout, from
