@@ -33,8 +33,8 @@ blob (`SeqState.restore`). Nothing read from disk is copied into host memory bef
 the first token: the session's last insert, as it ends, donates only the pages after the run, and
 leaves the run to read into host memory while the engine idles (`_promote`, `settle`: a slice at a
 time, a request waiting for no more than one), then takes them into the tree and the host store,
-as if donated, then the pages after them. Those the host budget cannot take stay on disk only; a run whose pages before it left host memory meanwhile stays
-on disk. A sliding-window model reads them into the tree and the host store at attach, its window
+as if donated, then the pages after them. Those the host budget cannot take stay on disk only; a
+run whose pages before it left host memory meanwhile stays on disk. A sliding-window model reads them into the tree and the host store at attach, its window
 checked first.
 Pages evicted from host memory stay on disk. Each page entering or leaving host memory is an event
 (`Tiers.events`); the disk store announces its own.
@@ -262,8 +262,9 @@ class PageCache(PrefixCache):
         the layout, ends the count; a refused one is removed). Each page's work outside its system
         calls, hash and copy is a few microseconds, so the two overlap: inside a served restart, 512
         pages of a 1.5B took 34-45 ms where one thread took 71-100 ms (the store's earlier read, 45 us
-        of Python a page, made two threads slower than one). The reading thread may be busy (the blob's mapping at
-        start): this thread then reads every page, and the other, once it starts, none."""
+        of Python a page, made two threads slower than one). The reading thread may be busy (the
+        blob's mapping at start): this thread then reads every page, and the other, once it starts,
+        none."""
         taking, pages = threading.Lock(), iter(range(len(keys)))
         ended = [len(keys)]  # the first page that did not come in whole
         refused: list[bytes] = []  # removed here, on the engine thread, once both threads are done
