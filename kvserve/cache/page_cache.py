@@ -34,8 +34,8 @@ the first token: the session's last insert, as it ends, donates only the pages a
 leaves the run to read into host memory while the engine idles (`_promote`, `settle`: a slice at a
 time, a request waiting for no more than one), then takes them into the tree and the host store,
 as if donated, then the pages after them. Those the host budget cannot take stay on disk only; a
-run whose pages before it left host memory meanwhile stays on disk. A sliding-window model reads them into the tree and the host store at attach, its window
-checked first.
+run whose pages before it left host memory meanwhile stays on disk. A sliding-window model reads
+them into the tree and the host store at attach, its window checked first.
 Pages evicted from host memory stay on disk. Each page entering or leaving host memory is an event
 (`Tiers.events`); the disk store announces its own.
 """
@@ -101,7 +101,6 @@ class _Promotion:
     keys: list[bytes]
     tail: list[KvPage]
     pages: list[KvPage] = field(default_factory=list)  # read so far, from the first
-    nbytes: int = 0
 
 
 class PageCache(PrefixCache):
@@ -418,9 +417,8 @@ class PageCache(PrefixCache):
         """Read the pages of `keys` (the run after `path`) from disk, until one is missing or refused:
         the nodes of those the tree and the host store took (locked for the session), then the pages
         after them that host memory could not take (attached all the same; they stay on disk)."""
-        pages, refused = self._read_run(keys, len(path), math.inf)
-        if refused is not None:
-            self._refused(refused)
+        pages: list[KvPage] = []
+        self._read_run(keys, len(path), pages)
         if not pages:
             return [], []
         _, added = self._add_chain(session, key, path, pages, "(from disk)", write=False)
@@ -436,27 +434,32 @@ class PageCache(PrefixCache):
             self._promotions.pop(0)
         self._promotions.append(_Promotion(preview[:80], key, first, keys, tail))
 
-    def _read_run(self, keys: list[bytes], first: int, budget: float) -> tuple[list[KvPage], bytes | None]:
-        """The pages of `keys` (page `first` on), each checked against this context's layout, from
-        the first, until one is missing, refused (its key returned, for the engine thread to remove)
-        or past `budget` bytes in all. Safe on a reading thread."""
-        pages: list[KvPage] = []
-        nbytes = 0
-        for i, page_key_ in enumerate(keys):
-            data = self._read_file(page_key_)
+    def _read_run(self, keys: list[bytes], first: int, pages: list[KvPage], budget: float = math.inf,
+                  deadline: float = math.inf) -> bool:
+        """Read the pages of `keys` (page `first` on) that follow `pages` into `pages`, each checked
+        against this context's layout, until `deadline`; whether the run is read: whole, or ended by
+        a page missing, refused (and removed) or past `budget` bytes in all (those after it stay on
+        disk only: their recency, which a restart reads, is set here, for the attach read them
+        untouched)."""
+        nbytes = sum(page.nbytes for page in pages)
+        while (i := len(pages)) < len(keys):
+            if time.perf_counter() >= deadline:
+                return False
+            data = self._read_file(keys[i])
             if data is None:
-                break
+                return True
             try:
                 page = self.rows.page_from_bytes(data, (first + i) * self.page_rows, self.page_rows)
             except StateFormatError:
-                return pages, page_key_
+                self._refused(keys[i])
+                return True
             nbytes += page.nbytes
-            if nbytes > budget:  # the rest stay on disk only: their recency, which a restart reads,
-                assert self.tiers.disk is not None  # is set here, for the attach read them untouched
+            if nbytes > budget:
+                assert self.tiers.disk is not None
                 self.tiers.disk.touch(keys[i:])
-                break
+                return True
             pages.append(page)
-        return pages, None
+        return True
 
     def pending(self) -> bool:
         """Runs wait to be read from disk into host memory, or the blob's buffer is still being
@@ -477,32 +480,9 @@ class PageCache(PrefixCache):
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
         while self._promotions and time.perf_counter() < deadline:
             job = self._promotions[0]
-            if self._read_promotion(job, deadline):
+            if self._read_run(job.keys, job.first, job.pages, self.store.budget_bytes, deadline):
                 self._promotions.pop(0)
                 self._store_promoted(job, job.pages + (job.tail if len(job.pages) == len(job.keys) else []))
-
-    def _read_promotion(self, job: _Promotion, deadline: float) -> bool:
-        """Read the job's next pages until `deadline`; whether its run is read: whole, or ended by a
-        page missing, refused (and removed) or past the host budget (those after it stay on disk
-        only; their recency, which a restart reads, is set here)."""
-        while (i := len(job.pages)) < len(job.keys):
-            if time.perf_counter() >= deadline:
-                return False
-            data = self._read_file(job.keys[i])
-            if data is None:
-                return True
-            try:
-                page = self.rows.page_from_bytes(data, (job.first + i) * self.page_rows, self.page_rows)
-            except StateFormatError:
-                self._refused(job.keys[i])
-                return True
-            job.nbytes += page.nbytes
-            if job.nbytes > self.store.budget_bytes:
-                assert self.tiers.disk is not None
-                self.tiers.disk.touch(job.keys[i:])
-                return True
-            job.pages.append(page)
-        return True
 
     def _store_promoted(self, job: _Promotion, pages: list[KvPage]) -> None:
         """Store `pages` (page `job.first` on) under the tree's path before them, those not there yet;

@@ -415,7 +415,6 @@ async def engine_for(request: Request, name: str | None, *, keep_alive: object =
     return lease.engine
 
 
-
 async def _on_a_thread_of_its_own(fn: Callable[..., T], *args: object) -> T:
     """`fn(*args)` on a thread that ends when it returns. llama.cpp's CPU workers (OpenMP's) belong to
     the thread that decodes and live as long as it does. A load decodes (the flash-attention check;
