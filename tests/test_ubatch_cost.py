@@ -6,6 +6,7 @@ a server is healthy before any timing and that idling fills the table."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -16,7 +17,7 @@ from conftest import engine, run
 from conftest import serve as serving
 from kvserve.llama.sampler import SamplingParams
 from kvserve.scheduler.drafters import Sequence
-from kvserve.llama.context import Context
+from kvserve.llama.context import ABORTED, Context, DecodeError
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.scheduler import PATIENCE, QUIET
 from kvserve.testing.processes import wait_until
@@ -267,25 +268,36 @@ def test_an_auto_engine_loads_without_timing_and_idles_the_table_in(smollm2) -> 
         assert cost.table[64] > cost.table[2] and ctx.seq_pos_max(0) == -1
 
 
-def test_a_request_arriving_during_a_timing_waits_for_one_decode_not_the_timing(smollm2, monkeypatch) -> None:
-    """A request that comes while the engine idles a size in ends the timing at the next decode: the
-    size stays to time, the borrowed stream is left empty, and a later idle times again."""
+def test_a_request_arriving_during_a_timing_ends_the_decode_it_finds(smollm2, monkeypatch, caplog) -> None:
+    """A request that comes while the engine idles a size in ends the timing within the decode it
+    finds (llama.cpp's abort callback asks between the graph's nodes): it waits for one node, not a
+    decode (a 64-token one of a 1.5B takes over a second). The size stays to time, the borrowed
+    stream is left empty, and a later idle times again. llama.cpp's error lines for the aborted
+    decode are not a server's warnings."""
     with engine(smollm2, speculative="auto", **SMALL) as e:
         cost, ctx = e.scheduler.speculator.cost, e.pool.ctx
         n = cost.next_to_time()
-        decodes = []
+        decodes, aborted = [], []
         real = type(ctx).decode
 
-        def arriving(self, batch) -> None:  # the request comes during the timing's first decode
+        def arriving(self, batch) -> None:  # the request comes as the timing's first decode starts
             decodes.append(batch.n_tokens)
-            real(self, batch)
             if len(decodes) == 1:
                 e.scheduler.submit(_request(e.model, "The cat sat on the"))
+            try:
+                real(self, batch)
+            except DecodeError as error:
+                aborted.append(error.code)
+                raise
 
         monkeypatch.setattr(type(ctx), "decode", arriving)
-        e.scheduler.idle()
+        with caplog.at_level(logging.DEBUG, logger="kvserve.llama"):
+            e.scheduler.idle()
         monkeypatch.setattr(type(ctx), "decode", real)
-        assert decodes == [1], decodes  # its warm-up only; the timing had 2 more decodes to go
+        assert decodes == [1] and aborted == [ABORTED], (decodes, aborted)  # its warm-up, ended early
+        said = [r for r in caplog.records if r.name == "kvserve.llama"]
+        assert any("failed to compute graph" in r.getMessage() for r in said), said  # llama.cpp said so
+        assert all(r.levelno == logging.DEBUG for r in said), said
         assert n in cost.untimed and cost.table == UbatchCost().table  # nothing timed: the guess stands
         assert all(ctx.seq_pos_max(s) == -1 for s in range(4)) and e.scheduler.has_work()
         while e.scheduler.has_work():  # it is served

@@ -22,6 +22,7 @@ _last_level = logging.DEBUG
 
 
 _listeners: list[Callable[[str], None]] = []
+_quiet = threading.local()  # `quiet()`'s depth on the thread that logs
 
 
 @llama_cpp.llama_log_callback
@@ -32,8 +33,20 @@ def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     line = text.decode("utf-8", errors="replace").rstrip()
     for listener in _listeners:
         listener(line)
-    if line and _log.isEnabledFor(_last_level):
-        _log.log(_last_level, line)
+    level = logging.DEBUG if getattr(_quiet, "depth", 0) else _last_level
+    if line and _log.isEnabledFor(level):
+        _log.log(level, line)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """What llama.cpp logs on this thread during the block, at DEBUG whatever its level: the errors of
+    a call whose failure is expected and handled (an aborted decode)."""
+    _quiet.depth = getattr(_quiet, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _quiet.depth -= 1
 
 
 @contextlib.contextmanager

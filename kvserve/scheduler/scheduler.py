@@ -47,9 +47,8 @@ _log = logging.getLogger("kvserve.scheduler")
 IDLE_WAIT = 0.01
 # In its first PATIENCE seconds, the engine starts a ubatch timing only once it has served nothing
 # for QUIET: a started server's first requests come in a burst (clients retrying, a router sending
-# its traffic back), and one that arrives during a timing waits for its decode (20-60 ms on a 1.5B,
-# most of what a restart's first token spent beyond llama-server's restore). Later any gap between
-# requests times a size, as before: a server busy from its start must still learn its prices.
+# its traffic back), and each timing starts with a warm-up decode. Later any gap between requests
+# times a size, as before: a server busy from its start must still learn its prices.
 QUIET = 1.0
 PATIENCE = 10.0
 
@@ -158,9 +157,9 @@ class Scheduler:
     def idle(self) -> None:
         """With nothing to serve (engine thread): a slice of the cache's reading from disk into host
         memory; else time the smallest ubatch size `auto` has no price for yet, alone, and given up
-        at the first decode a request finds it in: a request arriving meanwhile waits for one
-        decode, not the timing (a restarted 1.5B's first request waited 0.26 s for three), and the
-        size is timed again at a later idle. It is timed in a stream the pool hands out as to any
+        within the decode a request finds it in: a request arriving meanwhile waits for one node of
+        that decode's graph (0-47 ms on a 1.5B), not the decode (0.1-1.3 s, which short requests to a
+        1.5B waited 0.29-0.70 s for), and the size is timed again at a later idle. It is timed in a stream the pool hands out as to any
         new session (an empty one, else the least recently used idle one, whose rows go) and left
         empty."""
         if self.kv.cache.pending():

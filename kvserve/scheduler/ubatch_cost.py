@@ -39,7 +39,7 @@ stops being bid low after `TRIES` of them.
 Timing every size while the server loaded held /health back (a 0.5B on 2 shared cores: 14 to 52 s
 against 4 to 6 s without), so the sizes given as `to_time` are timed while the engine idles, one at
 a time, smallest first (`next_to_time`, `add_timings`; `Scheduler.idle`): a request that arrives
-meanwhile waits for one timing, not the table. A size that served steps learn first is not timed at
+meanwhile ends the timing's decode (`Context.time_ubatches`) and waits for one node of its graph. A size that served steps learn first is not timed at
 all. Until a step's sizes are priced (`priced`: learnt, or the sizes its prior interpolates between
 timed), `step` says it costs without end, and `auto` drafts nothing that needs them. (`calibrate`
 still sets a whole table at once.)
