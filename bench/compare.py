@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 
 from bench import llama_server, report, workloads
@@ -34,6 +35,13 @@ SLOTS = 8
 CTX_PER_REQUEST = 4096  # a long prompt (~3,000 tokens) and its answer fit
 WARM_UP = [{"role": "user", "content": "Say hello."}]
 PAIRED = ("kvserve", "llama-server")  # the servers of a run not told which: the targets' pair
+# A server using less than QUIET_CORES of a core over QUIET_WINDOW seconds is idle: each measured run
+# starts only once every server of its turn is (kvserve times its ubatch sizes while it first
+# idles, 1-1.5 s of both cores for SmolLM2 alone; after its run that overlapped the next server's
+# first ~6 s, at about one core)
+QUIET_CORES = 0.05
+QUIET_WINDOW = 1.0
+QUIET_CAP = 120.0
 RUNS = 2  # turns of each workload, the servers' order reversed each turn
 
 
@@ -59,6 +67,29 @@ def turns(servers: list[Server], runs: int) -> list[list[Server]]:
     return [servers if turn % 2 == 0 else servers[::-1] for turn in range(runs)]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds the process has used (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(pids: list[int], window: float = QUIET_WINDOW, cap: float = QUIET_CAP) -> float:
+    """Wait until each process of `pids` used under QUIET_CORES of a core over the last `window`
+    seconds, or `cap` seconds pass; the seconds waited."""
+    began = time.monotonic()
+    before = [cpu_seconds(pid) for pid in pids]
+    while time.monotonic() - began < cap:
+        time.sleep(window)
+        after = [cpu_seconds(pid) for pid in pids]
+        if all(b - a < QUIET_CORES * window for a, b in zip(before, after)):
+            break
+        before = after
+    return time.monotonic() - began
+
+
 def measure_turn(order: list[Server], workload: Workload, max_tokens: int, extra: dict, turn: int) -> list[dict]:
     """`workload` on each server of `order`, all started fresh and loaded side by side, one at a time."""
     with contextlib.ExitStack() as stack:
@@ -72,6 +103,7 @@ def measure_turn(order: list[Server], workload: Workload, max_tokens: int, extra
             workloads.run_sync(process.url, Workload("warm-up", 1, 1, lambda *_: WARM_UP), 8, extra)
         rows = []
         for server, process in up:
+            wait_quiet([p.pid for _, p in up])
             run = workloads.run_sync(process.url, workload, max_tokens, extra)
             row = {"server": server.name, "workload": workload.name, "turn": turn, **summarize(run.results, run.wall)}
             print(f"{workload.name:>13} {server.name:>21} turn {turn}: TTFT p95 {row['ttft_p95']:.2f} s, "

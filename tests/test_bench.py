@@ -506,3 +506,22 @@ def test_kv_events_turns_alternate_and_each_events_turn_pairs_with_an_off_turn_b
                                "rows": [{**r, "published": 3, "dropped": 0, "errors": 0} for r in rows],
                                "ratios": ratios})
     assert "| shared | output_tok_s | 1.200x (0.9-1.5, 2 pairs) |" in text
+
+
+def test_a_measured_run_waits_for_every_server_to_be_idle() -> None:
+    """A server still busy (kvserve timing its ubatch sizes after its own run) would share the cores with
+    the next server's run: `wait_quiet` returns only once each process has gone quiet."""
+    import subprocess
+    import sys
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass\ntime.sleep(60)"
+    idle = "import time; time.sleep(60)"
+    children = [subprocess.Popen([sys.executable, "-c", code]) for code in (busy, idle)]
+    try:
+        waited = compare.wait_quiet([c.pid for c in children], window=0.3, cap=30)
+        assert compare.cpu_seconds(children[0].pid) >= 1.4, "it returned while a process was still busy"
+        assert waited < 30
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
