@@ -152,8 +152,8 @@ class Context:
         if code != 0:
             raise DecodeError(code)
 
-    def time_ubatches(self, sizes: list[int], seq: int = 0, token: int = 0, again: int = 8,
-                      stop: Callable[[], bool] | None = None) -> dict[int, float] | None:
+    def time_ubatches(self, sizes: list[int], seq: int = 0, token: int = 0, again: int = 8, *,
+                      stop: Callable[[], bool]) -> dict[int, float] | None:
         """Seconds one decode of `n` tokens (each with logits) in stream `seq` takes, for each n in
         `sizes` (after a warm-up decode), in stream `seq`, left empty; nothing where it holds rows.
         Sizes up to `again` are timed a second time after all the others, and the faster kept: one
@@ -170,7 +170,7 @@ class Context:
         try:
             with self._aborted_when(stop):
                 for n in [1, *sizes, *(n for n in sizes if n <= again)]:
-                    if stop is not None and stop():
+                    if stop():
                         return None
                     batch.clear()
                     for pos in range(n):
@@ -191,12 +191,9 @@ class Context:
         return {n: seconds[n] for n in sizes}
 
     @contextlib.contextmanager
-    def _aborted_when(self, stop: Callable[[], bool] | None) -> Iterator[None]:
+    def _aborted_when(self, stop: Callable[[], bool]) -> Iterator[None]:
         """Decodes in the block end early where `stop` says so (DecodeError ABORTED); llama.cpp's
         report of each is logged at DEBUG. `stop` runs on this thread, a few hundred times a decode."""
-        if stop is None:
-            yield
-            return
         callback = llama_cpp.ggml_abort_callback(lambda _data: bool(stop()))
         llama_cpp.llama_set_abort_callback(self._ptr, callback, None)
         try:
