@@ -252,20 +252,34 @@ def _request(model, prompt: str) -> Request:
 
 
 def test_an_auto_engine_loads_without_timing_and_idles_the_table_in(smollm2) -> None:
-    """Loading times nothing; each idle call times one size in an idle stream and leaves it empty,
-    even the one stream of `--parallel 1` that a finished request left its rows in."""
+    """Loading times nothing; an idle call times every size still to time, in one stream it borrows:
+    here the one stream of `--parallel 1`, which a finished request left its rows in. The stream gets
+    back what the cache holds of them, so the conversation's next turn continues in place, and
+    generates what it generates from scratch."""
+    story = "The cat sat on the mat, and the dog lay by the door. " * 12
     with engine(smollm2, speculative="auto", **{**SMALL, "parallel": 1}) as e:
         cost, ctx = e.scheduler.speculator.cost, e.pool.ctx
         assert cost.untimed == set(CALIBRATION_SIZES) and cost.table == UbatchCost().table
-        run(e, [_request(e.model, "The cat sat on the mat. The cat sat on the")])
-        assert ctx.seq_pos_max(0) >= 0  # its rows stay for a next turn
+        run(e, [_request(e.model, story)])
+        held = e.pool.held(0)
+        assert ctx.seq_pos_max(0) == len(held) - 1 > 100  # its rows stay for a next turn
         assert cost.untimed == set(CALIBRATION_SIZES) - {1}  # its steps, one token each, priced size 1
         e.scheduler.idle()
-        assert set(cost.table) == {2} and cost.next_to_time() == 3 and ctx.seq_pos_max(0) == -1
-        while e.scheduler.wants_idle():
-            e.scheduler.idle()
         assert set(cost.table) == set(CALIBRATION_SIZES) - {1} and all(t > 0 for t in cost.table.values())
-        assert cost.table[64] > cost.table[2] and ctx.seq_pos_max(0) == -1
+        assert cost.table[64] > cost.table[2] and not e.scheduler.wants_idle()
+        back = e.pool.held(0)
+        assert back == held[: len(back)] and len(back) >= len(held) - 32, (len(back), len(held))
+        assert ctx.seq_pos_max(0) == len(back) - 1 and e.pool.sessions == []
+        prompt = held + e.model.tokenize(" Then the cat", add_special=False)
+
+        def turn(name: str) -> Request:
+            return Request(id=name, prompt=prompt, params=SamplingParams(temperature=0.0), max_tokens=8, ignore_eos=True)
+
+        reuses = e.pool.inplace_reuses
+        continued = run(e, [turn("turn")])["turn"]
+        assert e.pool.inplace_reuses == reuses + 1 and e.pool.inplace_tokens >= len(back) - 1
+    with engine(smollm2, speculative="off", prefix_cache=False, **{**SMALL, "parallel": 1}) as alone:
+        assert run(alone, [turn("alone")])["alone"] == continued
 
 
 def test_a_request_arriving_during_a_timing_ends_the_decode_it_finds(smollm2, monkeypatch, caplog) -> None:
@@ -331,14 +345,17 @@ def test_a_timing_waits_until_the_engine_has_served_nothing_for_a_moment(smollm2
     assert after[0] - ended >= QUIET - 0.2, (after[0] - ended, QUIET)
 
 
-def test_past_its_first_seconds_the_engine_times_in_any_gap(smollm2) -> None:
-    """The quiet second is asked only in the engine's first PATIENCE seconds: a server busy from its
-    start still times its sizes between requests."""
-    with engine(smollm2, speculative="auto", **SMALL) as e:
-        run(e, [_request(e.model, "The cat sat on the")])
-        assert QUIET - 0.5 < e.scheduler.idle_delay() <= QUIET
-        e.scheduler.started -= PATIENCE
-        assert e.scheduler.idle_delay() == 0
+def test_past_its_first_seconds_the_engine_times_in_any_gap_a_stream_is_empty_for(smollm2) -> None:
+    """The quiet second is asked only in the engine's first PATIENCE seconds, while a stream is empty:
+    a server busy from its start still times its sizes between requests. Where every stream holds an
+    idle conversation's rows (`--parallel 1`), the timing still waits for it: a request in a short gap
+    would find its rows borrowed and restore them instead of continuing in place."""
+    for parallel, later in ((4, 0.0), (1, QUIET)):
+        with engine(smollm2, speculative="auto", **{**SMALL, "parallel": parallel}) as e:
+            run(e, [_request(e.model, "The cat sat on the")])
+            assert QUIET - 0.5 < e.scheduler.idle_delay() <= QUIET
+            e.scheduler.started -= PATIENCE
+            assert later - 0.5 < e.scheduler.idle_delay() <= later, parallel
 
 
 def test_an_auto_server_is_healthy_before_timing_and_fills_the_table_while_idle(smollm2) -> None:

@@ -88,6 +88,13 @@ class KvPool(Protocol):
     @property
     def live_sessions(self) -> int: ...
 
+    @property
+    def empty_streams(self) -> int: ...
+
+    def resident_key(self, seq: int) -> PrefixKey | None:
+        """What idle stream `seq` holds, as its namespace's key for it; None if it is live or empty."""
+        ...
+
     def stream_view(self, namespace: str) -> list[dict]:
         """Each stream as /v1/cache shows a caller of `namespace`: `live` (a session runs in it),
         `resident` (idle, its rows kept for a continuation), `empty`, or `other` (its rows are of
@@ -173,6 +180,14 @@ class StreamPool:
     @property
     def free_streams(self) -> int:
         return self.n_streams - self.live_sessions
+
+    @property
+    def empty_streams(self) -> int:
+        return sum(s.session is None and not s.resident for s in self.streams)
+
+    def resident_key(self, seq: int) -> PrefixKey | None:
+        stream = self.streams[seq]
+        return PrefixKey(stream.namespace, list(stream.resident)) if stream.session is None and stream.resident else None
 
     def stream_view(self, namespace: str) -> list[dict]:
         return [self._stream_state(s, namespace) for s in self.streams]

@@ -33,8 +33,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections import Counter
+from typing import Callable, Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -202,6 +204,27 @@ class KvManager:
         session, kept = self.pool.open(key)
         session._in_stream[:] = key.tokens[:kept] if key else []
         return session
+
+    @contextlib.contextmanager
+    def borrowed_session(self, give_back: Callable[[], bool]) -> Iterator[Session]:
+        """An empty session for the engine's idle work (a ubatch timing), in the stream a new
+        session would take: an empty one, else the least recently used idle one, whose rows go.
+        Where they went, what the cache holds of them is attached back afterwards (while
+        `give_back()` says so: a request that waits attaches what it needs itself), so that a
+        conversation's next turn still finds its prefix in a stream and continues it there."""
+        held = {seq: self.pool.resident_key(seq) for seq in range(self.pool.n_streams)}
+        session = self.new_session()
+        try:
+            yield session
+        finally:
+            self.pool.end_session(session)
+            self._follow(session.seq)
+        gone = held.get(session.seq)
+        if gone is not None and give_back():
+            back = self.new_session(PrefixKey(gone.namespace))
+            self.attach(back, gone)
+            self.pool.end_session(back)
+            self._follow(back.seq)
 
     def attach(self, session: Session, key: PrefixKey) -> int:
         """The cache's longest prefix of `key` set into an empty session; its length."""

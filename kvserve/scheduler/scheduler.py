@@ -147,39 +147,45 @@ class Scheduler:
 
     def idle_delay(self) -> float:
         """Seconds before `idle` should run (its work being `wants_idle`): none for the cache's reads;
-        for a ubatch timing in the first `PATIENCE` seconds, what is left of `QUIET` since the
-        engine last served."""
+        for a ubatch timing in the first `PATIENCE` seconds, what is left of `QUIET` since the engine
+        last served; past them none where a stream is empty, else still `QUIET`: the timing would
+        borrow an idle conversation's stream, and a request arriving in a short gap would find its
+        rows gone and restore them instead of continuing in place."""
         now = time.monotonic()
-        if self.kv.cache.pending() or now - self.started >= PATIENCE:
+        if self.kv.cache.pending() or (now - self.started >= PATIENCE and self.pool.empty_streams):
             return 0.0
         return max(0.0, self.last_progress + QUIET - now)
 
     def idle(self) -> None:
         """With nothing to serve (engine thread): a slice of the cache's reading from disk into host
-        memory; else time the smallest ubatch size `auto` has no price for yet, alone, and given up
-        within the decode a request finds it in: a request arriving meanwhile waits for one node of
-        that decode's graph (0-47 ms on a 1.5B), not the decode (0.1-1.3 s, which short requests to a
-        1.5B waited 0.29-0.70 s for), and the size is timed again at a later idle. It is timed in a stream the pool hands out as to any
-        new session (an empty one, else the least recently used idle one, whose rows go) and left
-        empty."""
+        memory; else time the ubatch sizes `auto` has no price for yet, smallest first, alone, while
+        nothing waits, each given up within the decode a request finds it in: a request arriving
+        meanwhile waits for one node of that decode's graph (0-47 ms on a 1.5B), not the decode
+        (0.1-1.3 s, which short requests to a 1.5B waited 0.29-0.70 s for), and the size is timed
+        again at a later idle. They are timed in one stream borrowed as a new session would take it,
+        which gets back what the cache holds of the rows it had (`KvManager.borrowed_session`)."""
         if self.kv.cache.pending():
             self.kv.cache.settle(timeout=IDLE_WAIT)
             return
         cost = self.speculator.cost
-        n = cost.next_to_time()
-        if n is None or self.has_work():
+        if cost.next_to_time() is None or self.has_work():
             return
-        seconds: dict[int, float] | None = {}
+        quiet = lambda: not self.has_work() and not self.kv.cache.pending()  # noqa: E731
         try:
-            session, _ = self.pool.open()
-            try:
-                seconds = self.pool.ctx.time_ubatches([n], seq=session.seq, stop=self.has_work)
-            finally:
-                self.pool.end_session(session)
-        except Exception:  # a size that cannot be timed is priced from its neighbours; serving goes on
-            _log.exception("timing a ubatch of %d tokens failed", n)
-        if seconds is not None:
-            cost.add_timings([n], seconds)
+            with self.kv.borrowed_session(give_back=quiet) as session:
+                while (n := cost.next_to_time()) is not None and quiet():
+                    seconds: dict[int, float] | None = {}
+                    try:
+                        seconds = self.pool.ctx.time_ubatches([n], seq=session.seq, stop=self.has_work)
+                    except Exception:  # a size that cannot be timed is priced from its neighbours
+                        _log.exception("timing a ubatch of %d tokens failed", n)
+                    if seconds is None:
+                        break
+                    cost.add_timings([n], seconds)
+        except Exception:  # no stream to borrow, or its rows not given back: serving goes on
+            _log.exception("idle ubatch timing failed")
+            if (n := cost.next_to_time()) is not None:
+                cost.add_timings([n], {})  # one size less each time, never a loop
 
     # -- the step -------------------------------------------------------------------------------------
 
