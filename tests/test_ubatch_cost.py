@@ -264,6 +264,7 @@ def test_an_auto_engine_loads_without_timing_and_idles_the_table_in(smollm2) -> 
         held = e.pool.held(0)
         assert ctx.seq_pos_max(0) == len(held) - 1 > 100  # its rows stay for a next turn
         assert cost.untimed == set(CALIBRATION_SIZES) - {1}  # its steps, one token each, priced size 1
+        before = e.scheduler.kv.stats()
         e.scheduler.idle()
         assert set(cost.table) == set(CALIBRATION_SIZES) - {1} and all(t > 0 for t in cost.table.values())
         assert cost.table[64] > cost.table[2] and not e.scheduler.wants_idle()
@@ -275,9 +276,12 @@ def test_an_auto_engine_loads_without_timing_and_idles_the_table_in(smollm2) -> 
         def turn(name: str) -> Request:
             return Request(id=name, prompt=prompt, params=SamplingParams(temperature=0.0), max_tokens=8, ignore_eos=True)
 
-        reuses = e.pool.inplace_reuses
+        reuses, kept = e.pool.inplace_reuses, e.pool.inplace_tokens
         continued = run(e, [turn("turn")])["turn"]
-        assert e.pool.inplace_reuses == reuses + 1 and e.pool.inplace_tokens >= len(back) - 1
+        assert e.pool.inplace_reuses == reuses + 1 and e.pool.inplace_tokens - kept >= len(back) - 1
+        after = e.scheduler.kv.stats()  # the next turn counted once, the attach back not as a prompt's
+        assert after.queried_tokens - before.queried_tokens == len(prompt)
+        assert after.hit_tokens - before.hit_tokens == e.pool.inplace_tokens - kept
     with engine(smollm2, speculative="off", prefix_cache=False, **{**SMALL, "parallel": 1}) as alone:
         assert run(alone, [turn("alone")])["alone"] == continued
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections import Counter
-from typing import Callable, Iterator
 from dataclasses import replace
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -64,6 +64,7 @@ class KvManager:
         self.draft = draft
         self.model = pool.ctx.model
         self.inplace_queried = 0  # prompt tokens of the sessions placed in place (the cache saw none of them)
+        self.given_back = (0, 0)  # tokens looked up and attached by `borrowed_session`, no prompt's
         self.kind_queried: Counter[str] = Counter()  # prompt tokens of started requests, by namespace kind
         self.kind_hits: Counter[str] = Counter()  # of those, not evaluated (kept in place or attached)
         self.recomputed = 0  # sequences evaluated again: a draft's decode overwrote the window of their cut
@@ -120,8 +121,9 @@ class KvManager:
     def stats(self) -> CacheStats:
         """The cache's counters, with what streams kept in place counted as hits."""
         stats = self.cache.stats()
-        return replace(stats, queried_tokens=stats.queried_tokens + self.inplace_queried,
-                       hit_tokens=stats.hit_tokens + self.pool.inplace_tokens,
+        queried, attached = self.given_back
+        return replace(stats, queried_tokens=stats.queried_tokens + self.inplace_queried - queried,
+                       hit_tokens=stats.hit_tokens + self.pool.inplace_tokens - attached,
                        namespaces=len(self.cache.namespaces() | self.pool.namespaces()),
                        kind_queried=dict(self.kind_queried), kind_hits=dict(self.kind_hits))
 
@@ -211,7 +213,8 @@ class KvManager:
         session would take: an empty one, else the least recently used idle one, whose rows go.
         Where they went, what the cache holds of them is attached back afterwards (while
         `give_back()` says so: a request that waits attaches what it needs itself), so that a
-        conversation's next turn still finds its prefix in a stream and continues it there."""
+        conversation's next turn still finds its prefix in a stream and continues it there. That
+        attach is no prompt's: `stats` leaves it out, and counts the next turn once, in place."""
         held = {seq: self.pool.resident_key(seq) for seq in range(self.pool.n_streams)}
         session = self.new_session()
         try:
@@ -222,7 +225,8 @@ class KvManager:
         gone = held.get(session.seq)
         if gone is not None and give_back():
             back = self.new_session(PrefixKey(gone.namespace))
-            self.attach(back, gone)
+            queried, attached = self.given_back
+            self.given_back = (queried + len(gone.tokens), attached + self.attach(back, gone))
             self.pool.end_session(back)
             self._follow(back.seq)
 
