@@ -15,6 +15,7 @@ import httpx
 
 from conftest import engine, run
 from conftest import serve as serving
+from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.sampler import SamplingParams
 from kvserve.scheduler.drafters import Sequence
 from kvserve.llama.context import ABORTED, Context, DecodeError
@@ -284,6 +285,23 @@ def test_an_auto_engine_loads_without_timing_and_idles_the_table_in(smollm2) -> 
         assert after.hit_tokens - before.hit_tokens == e.pool.inplace_tokens - kept
     with engine(smollm2, speculative="off", prefix_cache=False, **{**SMALL, "parallel": 1}) as alone:
         assert run(alone, [turn("alone")])["alone"] == continued
+
+
+def test_a_stream_given_back_after_a_timing_keeps_its_namespace(smollm2) -> None:
+    """The rows an idle timing gives back are the stream's own namespace's, and stay so: its tenant's
+    next turn keeps them in place, another tenant's identical prompt does not."""
+    story = "The cat sat on the mat, and the dog lay by the door. " * 12
+    with engine(smollm2, speculative="auto", **{**SMALL, "parallel": 1}) as e:
+        prompt = e.model.tokenize(story, add_special=True)
+        run(e, [Request(id="a", prompt=prompt, params=SamplingParams(temperature=0.0), max_tokens=4,
+                        ignore_eos=True, namespace="tenant:a")])
+        e.scheduler.idle()
+        assert not e.scheduler.wants_idle()
+        back = e.pool.resident_key(0)
+        assert back is not None and back.namespace == "tenant:a" and len(back.tokens) > 100
+        assert e.pool.resident_match(PrefixKey("tenant:a", prompt + [13])) >= len(back.tokens) - 1
+        assert e.pool.resident_match(PrefixKey("tenant:b", prompt + [13])) == 0
+        assert e.pool.resident_match(PrefixKey("", prompt + [13])) == 0
 
 
 def test_a_request_arriving_during_a_timing_ends_the_decode_it_finds(smollm2, monkeypatch, caplog) -> None:
