@@ -224,15 +224,8 @@ class Payoff:
             self.drafted.clear()
             self.watched.clear()
 
-    def would_have_paid(self, right: int) -> bool:
-        """Stopped, and a watched proposal already came true for the tokens a draft needed: it is
-        settled then, not when it ends (a 16-token proposal ends 16 steps on, and three of them
-        outlast most answers, while their drafts would have paid from the first)."""
-        return self.needed is not None and right >= max(self.needed, 1)
-
     def settled(self, right: int) -> None:
-        """A watched proposal came true for `right` tokens, then departed from the output, ended, or
-        would have paid."""
+        """A watched proposal came true for `right` tokens, then departed from the output or ended."""
         if self.needed is None:
             return
         self.watched.append(right)
@@ -457,10 +450,9 @@ class Speculator:
             return
         since = state.sequence.tokens[watch.start:]
         n = common_prefix(since, watch.draft)
-        departed = n < len(since)
-        ended = departed or n == len(watch.draft) or state.payoff.would_have_paid(n)
+        ended = n < len(since) or n == len(watch.draft)
         if n > watch.credited or ended:
-            wrong = departed and n < len(watch.draft)
+            wrong = ended and n < len(watch.draft)
             self._learn(state, watch.drafter, n - watch.credited, wrong, fade=not watch.credited)
         watch.credited = n
         if ended:
