@@ -220,15 +220,13 @@ class KvManager:
         try:
             yield session
         finally:
-            self.pool.end_session(session)
-            self._follow(session.seq)
+            self._end(session)
         gone = held.get(session.seq)
         if gone is not None and give_back():
             back = self.new_session(PrefixKey(gone.namespace))
             queried, attached = self.given_back
             self.given_back = (queried + len(gone.tokens), attached + self.attach(back, gone))
-            self.pool.end_session(back)
-            self._follow(back.seq)
+            self._end(back)
 
     def attach(self, session: Session, key: PrefixKey) -> int:
         """The cache's longest prefix of `key` set into an empty session; its length."""
@@ -271,10 +269,14 @@ class KvManager:
             session = choice.session
             if donate and not choice.forked:
                 self.cache.insert(session, session.tokens, preview=self._preview(request), ending=True)
-            self.pool.end_session(session)
-            self._follow(session.seq)
+            self._end(session)
             choice.session = None
             choice.forked = False
+
+    def _end(self, session: Session) -> None:
+        """End `session`; its stream keeps its rows for a next turn, and its draft stream follows."""
+        self.pool.end_session(session)
+        self._follow(session.seq)
 
     def _follow(self, seq: int) -> None:
         """The draft stream of `seq` keeps only what the target stream still holds."""
