@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,9 @@ import xxhash
 from kvserve.cache.disk_store import (
     MAGIC, SUFFIX, TMP_SUFFIX, VERSION, DiskEntry, DiskLocked, DiskStore, decode_header, encode_header, header_size,
 )
+from kvserve.cache.page_events import announce_disk
+from kvserve.config import ServerSettings
+from kvserve.server import persistence
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = hashlib.sha256(b"namespace").digest()
@@ -445,6 +449,51 @@ def test_a_forged_cycle_of_parents_can_still_be_evicted(tmp_path: Path) -> None:
         assert_index_is_the_files(store)
 
 
+def test_pages_are_announced_at_start_parents_first_even_with_a_forged_cycle(tmp_path: Path) -> None:
+    """`announce_disk` announces each page once, after its parent; a forged cycle (each file the
+    other's parent) ends it too (the walk up parents it replaced never did)."""
+    a, b = page(1)[0], page(2)[0]
+    for key, parent in ((a, b), (b, a)):
+        path_of(tmp_path, key).parent.mkdir(parents=True, exist_ok=True)
+        path_of(tmp_path, key).write_bytes(raw_file(key, b"x" * 100, parent=parent))
+    with DiskStore(tmp_path, 1 << 20) as store:
+        chain = [SEED]
+        for i in range(3, 6):
+            chain.append(put(store, i, b"y", parent=chain[-1]))
+        store.flush(5)
+    with DiskStore(tmp_path, 1 << 20) as store:
+        announced: list[bytes] = []
+        done = threading.Event()
+        threading.Thread(target=lambda: (announce_disk(store, lambda e: announced.append(e.key)), done.set()),
+                         daemon=True).start()
+        assert done.wait(10)
+        assert sorted(announced) == sorted([a, b] + chain[1:])
+        assert [k for k in announced if k in chain] == chain[1:]
+
+
+def test_the_default_budget_counts_the_tiers_own_files_as_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quarter of the free space, where the pages already on disk count as free: a restart of a
+    full tier gets the budget it had (a mutation counting free space alone shrinks it each restart
+    and evicts at start)."""
+    disk = 400 * PAGE_FILE  # a file system that holds the store alone
+
+    def usage(_path: object) -> shutil._ntuple_diskusage:
+        used = sum(files_on_disk(tmp_path).values()) if (tmp_path / "pages").exists() else 0
+        return shutil._ntuple_diskusage(disk, used, disk - used)
+
+    monkeypatch.setattr(persistence.shutil, "disk_usage", usage)
+    settings = ServerSettings(prefix_disk_dir=tmp_path)
+    with DiskStore(tmp_path, persistence.disk_budget(settings)) as store:
+        assert store.budget_bytes == disk // 4
+        for i in range(100):
+            put(store, i, b"." * 1000)
+        store.flush(10)
+        held = store.stats().bytes
+        assert held > disk // 4 - PAGE_FILE
+    with DiskStore(tmp_path, persistence.disk_budget(settings)) as store:
+        assert store.budget_bytes == disk // 4 and store.stats().bytes == held and store.stats().evictions == 0
+
+
 def test_header_codec_round_trip() -> None:
     entry = DiskEntry(page(1)[0], SEED, SEED, tuple(range(-3, 2000)), "héllo", 12345)
     header = encode_header(entry)
@@ -550,6 +599,51 @@ def test_chains_shrink_from_their_tail(tmp_path: Path) -> None:
         rec.check(store)
 
 
+def test_a_page_written_never_evicts_its_own_parent(tmp_path: Path) -> None:
+    """A conversation's next turn extends a chain whose tail is the oldest leaf on a full disk (its
+    turns were attached from host memory, which leaves their files' recency alone): writing the new
+    page must evict another chain's tail, not its parent, which a restart needs to reach it. A
+    mutation that keeps only the page itself evicts the parent of each new page in turn."""
+    rec = Recorder()
+    payload = b"." * 1000
+    with rec.open(tmp_path, 6 * PAGE_FILE) as store:
+        turn = [SEED]
+        for i in range(3):  # the conversation's first turn: the oldest pages
+            turn.append(put(store, i, payload, parent=turn[-1]))
+        store.flush(5)
+        other = [SEED]
+        for i in range(10, 13):  # newer traffic fills the disk
+            other.append(put(store, i, payload, parent=other[-1]))
+        store.flush(5)
+        for i in range(20, 22):  # the next turn, after the first
+            turn.append(put(store, i, payload, parent=turn[-1]))
+            store.flush(5)
+        assert all(store.contains(key) for key in turn[1:])  # a whole run from the root
+        assert [x.key for x in rec.removed] == [other[3], other[2]]
+        assert_index_is_the_files(store)
+        rec.check(store)
+
+
+def test_a_removal_is_never_announced_before_the_write_it_removes(tmp_path: Path) -> None:
+    """The writer announces a page it indexed; a reader that refuses that file at once (or a `discard`)
+    announces its removal. However the threads interleave, the removal comes second: an event
+    consumer last told `stored` believes a page on disk that is not there."""
+    events: list[str] = []
+    in_callback = threading.Event()
+
+    def slow_stored(entry: DiskEntry) -> None:
+        in_callback.set()
+        time.sleep(0.3)  # the writer preempted between indexing the page and announcing it
+        events.append("stored")
+
+    with DiskStore(tmp_path, 1 << 20, on_stored=slow_stored, on_removed=lambda e: events.append("removed")) as store:
+        key = put(store, 1, b"x" * 100)
+        assert in_callback.wait(10)
+        store.discard(key)
+        store.flush(5)
+        assert events == ["stored", "removed"] and not store.contains(key)
+
+
 def test_lru_order_survives_a_restart_through_mtimes(tmp_path: Path) -> None:
     with DiskStore(tmp_path, 1 << 20) as store:
         keys = [put(store, i, b"." * 1000) for i in range(4)]
@@ -633,6 +727,28 @@ def test_held_writes_count_against_the_queue_only_once_let_go(tmp_path: Path) ->
         k, parent, tokens = page(4)
         assert store.put(k, parent, SEED, tokens, lambda: b"again", held=True)  # dropped: it may come again
         assert store.flush(10) and store.get(k) == b"again"
+
+
+def test_a_replaced_waiting_write_counts_its_new_size(tmp_path: Path) -> None:
+    """A waiting write replaced by a larger one (a page that gained rows) counts the larger size, both
+    when it is released and when it is queued as it is; a mutation keeping the first estimate lets
+    the queue pass `queue_bytes`."""
+    with DiskStore(tmp_path, 1 << 20, queue_bytes=10_000) as store:
+        _, release = block_writer(store)
+        k, parent, tokens = page(1)
+        assert store.put(k, parent, SEED, tokens, lambda: b"a", nbytes=100, held=True)
+        assert store.put(k, parent, SEED, tokens, lambda: b"b" * 9000, nbytes=9000, held=True, replace=True)
+        store.release(k)
+        assert store.stats().queued_bytes == 9000 + store_header(4)
+        k2, parent2, tokens2 = page(2)
+        assert store.put(k2, parent2, SEED, tokens2, lambda: b"c", nbytes=100)
+        assert not store.put(k2, parent2, SEED, tokens2, lambda: b"d" * 5000, nbytes=5000, replace=True)
+        stats = store.stats()
+        assert stats.queued_bytes == 9100 + 2 * store_header(4) <= store.queue_bytes and stats.dropped_writes == 1
+        release.set()
+        assert store.flush(10)
+        assert store.get(k) == b"b" * 9000 and store.get(k2) == b"c"  # the refused replacement kept the older rows
+        assert store.stats().queued_bytes == 0
 
 
 def store_header(n_tokens: int) -> int:

@@ -30,7 +30,8 @@ Invariants:
 - the index is the files: at every moment outside the store's lock, a key is indexed exactly when its
   final file exists (renames and unlinks happen under the lock), and `bytes` is their sizes' sum;
 - eviction order: only pages none of whose children are indexed (leaves: chains shrink from their
-  tail, so a page on disk keeps its parent there), cold (never hit by `get` since the store opened)
+  tail, so a page on disk keeps its parent there; nor the parent of the page being written, a leaf
+  until that page is indexed), cold (never hit by `get` since the store opened)
   before hot, then least recently used first. Recency across a restart comes from the files' mtimes
   (set by the write, by each hit and by `touch`); hotness does not survive a restart: every page
   starts cold. A forged cycle of parents, which no SHA-256 chain makes, falls back to plain cold/LRU
@@ -39,7 +40,9 @@ Invariants:
   place (a replacement too: the key stays announced); `on_removed(entry)` runs once per key that
   leaves the index (eviction on the writer thread; a failed `get` or `discard` on the caller's). Files
   dropped or evicted while the store opens were never announced and call nothing. Callbacks run outside the lock (they
-  may call `contains`, `entry`, `stats`), never concurrently for one store from the writer thread;
+  may call `contains`, `entry`, `stats`), one at a time, each right after its change of the index and
+  before any other change that calls back, so a key's callbacks come in the order of its changes
+  whichever threads made them (a refused read's removal never overtakes the write it removes);
 - the engine thread never waits on disk writes: `put` only enqueues (a full queue drops the write,
   counted in `dropped_writes`); `payload()` runs on the writer thread;
 - the queue's memory: the estimated bytes of its waiting writes whose payloads only the queue keeps
@@ -214,22 +217,24 @@ def _dropped_payload() -> Payload:
 
 
 class DiskStore:
-    """Prefix-cache pages in files under `directory`, at most `budget_bytes` of them; one server per folder."""
+    """Prefix-cache pages in files under `directory`, at most `budget_bytes` of them (or as many as
+    `budget_bytes(found)` says, given the bytes of the pages the start scan found); one server per folder."""
 
-    def __init__(self, directory: Path, budget_bytes: int, *, queue_bytes: int = 256 << 20,
+    def __init__(self, directory: Path, budget_bytes: int | Callable[[int], int], *, queue_bytes: int = 256 << 20,
                  on_stored: Callable[[DiskEntry], None] | None = None,
                  on_removed: Callable[[DiskEntry], None] | None = None) -> None:
-        if budget_bytes < 0:
-            raise ValueError("budget_bytes must be >= 0")
         self.directory = Path(directory)
         self.pages_dir = self.directory / "pages"
         self._pages = str(self.pages_dir)
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = 0  # set once the start scan found what the folder holds
         self.queue_bytes = queue_bytes
         self.on_stored = on_stored
         self.on_removed = on_removed
 
         self._lock = threading.Lock()  # the index, the heap, the queue and the counters
+        # held around each change of the index and its callback, so a key's callbacks run in the
+        # order of its changes whichever threads make them (taken before `_lock`, never inside it)
+        self._announcing = threading.RLock()
         self._work = threading.Condition(self._lock)  # the writer waits for jobs; `flush` for an empty queue
         self._index: dict[bytes, _Item] = {}
         self._children: dict[bytes, int] = {}  # parent key -> indexed children (parents not yet indexed too)
@@ -260,7 +265,10 @@ class DiskStore:
         try:
             self._make_dirs()
             self._scan()
-            removed = self._evict_locked(self._bytes - self.budget_bytes, keep=None)
+            self.budget_bytes = budget_bytes(self._bytes) if callable(budget_bytes) else budget_bytes
+            if self.budget_bytes < 0:
+                raise ValueError("budget_bytes must be >= 0")
+            removed = self._evict_locked(self._bytes - self.budget_bytes, keep=())
             if removed:
                 _log.info("disk tier %s: evicted %d pages down to the budget of %d bytes",
                           self.directory, len(removed), self.budget_bytes)
@@ -459,16 +467,17 @@ class DiskStore:
         return payload
 
     def _refuse(self, key: bytes, item: _Item, path: str, problem: str) -> None:
-        with self._lock:
-            if self._index.get(key) is not item:  # evicted or replaced meanwhile: not this file's fault
+        with self._announcing:
+            with self._lock:
+                if self._index.get(key) is not item:  # evicted or replaced meanwhile: not this file's fault
+                    self._misses += 1
+                    return
+                _log.warning("disk tier: removing %s: %s", path, problem)
+                self._remove(key, item)
+                _unlink(path)
+                self._refused += 1
                 self._misses += 1
-                return
-            _log.warning("disk tier: removing %s: %s", path, problem)
-            self._remove(key, item)
-            _unlink(path)
-            self._refused += 1
-            self._misses += 1
-        _call(self.on_removed, item.entry)
+            _call(self.on_removed, item.entry)
 
     # -- writing ----------------------------------------------------------------------------------------
 
@@ -494,23 +503,21 @@ class DiskStore:
         with self._lock:
             if self._closing:
                 return False
-            waiting = self._queued.get(entry.key)
-            if waiting is not None:
-                if not replace:
-                    return False
-                waiting.entry, waiting.payload, waiting.replace = entry, payload, True  # the latest rows win
-                if held != waiting.held:
-                    self._queued_bytes += -waiting.estimate if held else waiting.estimate
-                    waiting.held = held
-                return True
-            if entry.key in self._index and not replace:
-                return False
             if nbytes is None:
                 nbytes = self._payload_bytes // self._writes if self._writes else 0
             estimate = header_size(len(tokens), len(tag.encode())) + nbytes + _SUM.size
-            if not held and self._queued_bytes + estimate > self.queue_bytes:
-                self._dropped += 1
+            waiting = self._queued.get(entry.key)
+            if not replace and (waiting is not None or entry.key in self._index):
                 return False
+            counted = 0 if waiting is None or waiting.held else waiting.estimate  # what it replaces
+            if not held and self._queued_bytes - counted + estimate > self.queue_bytes:
+                self._dropped += 1  # a waiting write keeps its older rows
+                return False
+            if waiting is not None:  # the latest rows win
+                waiting.entry, waiting.payload, waiting.replace = entry, payload, True
+                waiting.estimate, waiting.held = estimate, held
+                self._queued_bytes += (0 if held else estimate) - counted
+                return True
             job = _Job(entry, payload, replace, estimate, held)
             self._queue.append(job)
             self._queued[entry.key] = job
@@ -599,16 +606,21 @@ class DiskStore:
         entry = DiskEntry(key=key, parent=job.entry.parent, seed=job.entry.seed, tokens=job.entry.tokens,
                           tag=job.entry.tag, nbytes=nbytes)
         size = entry.file_bytes
-        with self._lock:
-            if size > self.budget_bytes:
-                self._too_big += 1
-                return
-            evicted = self._evict_locked(self._bytes + self._reserved + size - self.budget_bytes, keep=key)
-            if self._bytes + self._reserved + size > self.budget_bytes:
-                # only a replacement whose old and new files do not fit together: the old one goes first
-                evicted += self._evict_locked(self._bytes + self._reserved + size - self.budget_bytes, keep=None)
-            self._reserved = size
-        self._announce_removed(evicted)
+        with self._announcing:
+            with self._lock:
+                if size > self.budget_bytes:
+                    self._too_big += 1
+                    return
+                # never the page itself, nor its parent: a leaf until this page is indexed, and the page
+                # is unreachable on disk without it
+                evicted = self._evict_locked(self._bytes + self._reserved + size - self.budget_bytes,
+                                             keep=(key, job.entry.parent))
+                if self._bytes + self._reserved + size > self.budget_bytes:
+                    # a replacement whose old and new files do not fit together, or a budget the
+                    # parent alone fills: they go too
+                    evicted += self._evict_locked(self._bytes + self._reserved + size - self.budget_bytes, keep=())
+                self._reserved = size
+            self._announce_removed(evicted)
 
         start = time.perf_counter()
         final = self._path(key)
@@ -624,26 +636,26 @@ class DiskStore:
                 f.write(_SUM.pack(digest.intdigest()))
                 f.flush()
                 os.fsync(f.fileno())
-            with self._lock:
-                os.replace(tmp, final)
-                old = self._index.get(key)
-                if old is not None:
-                    self._remove(key, old)
-                self._add(entry, size)
-                self._reserved = 0
-                self._writes += 1
-                self._written_bytes += size
-                self._payload_bytes += nbytes
-                self._write_seconds += time.perf_counter() - start
-                self._dirty_dirs.add(os.path.dirname(final))
+            with self._announcing:  # indexed and announced before any removal of it is
+                with self._lock:
+                    os.replace(tmp, final)
+                    old = self._index.get(key)
+                    if old is not None:
+                        self._remove(key, old)
+                    self._add(entry, size)
+                    self._reserved = 0
+                    self._writes += 1
+                    self._written_bytes += size
+                    self._payload_bytes += nbytes
+                    self._write_seconds += time.perf_counter() - start
+                    self._dirty_dirs.add(os.path.dirname(final))
+                _call(self.on_stored, entry)
         except Exception as exc:  # noqa: BLE001  (ENOSPC, EIO, a folder removed by hand, a bad token)
             _log.warning("disk tier: could not write %s: %s", final, exc)
             _unlink(tmp)
             with self._lock:
                 self._reserved = 0
                 self._failed += 1
-            return
-        _call(self.on_stored, entry)
 
     def _sync_dirs(self) -> None:
         with self._lock:
@@ -669,16 +681,18 @@ class DiskStore:
 
     def discard(self, key: bytes) -> None:
         """Remove a page's file (its owner found the payload unusable); `on_removed` runs if it was indexed."""
-        with self._lock:
-            item = self._index.get(key)
-            if item is None:
-                return
-            self._remove(key, item)
-            _unlink(self._path(key))
-        _call(self.on_removed, item.entry)
+        with self._announcing:
+            with self._lock:
+                item = self._index.get(key)
+                if item is None or self._closed:
+                    return
+                self._remove(key, item)
+                _unlink(self._path(key))
+            _call(self.on_removed, item.entry)
 
-    def _evict_locked(self, nbytes: int, keep: bytes | None) -> list[DiskEntry]:
-        """Under the lock: remove pages in eviction order (never `keep`) until `nbytes` are freed; the removed."""
+    def _evict_locked(self, nbytes: int, keep: tuple[bytes, ...]) -> list[DiskEntry]:
+        """Under the lock: remove pages in eviction order (never those of `keep`) until `nbytes` are
+        freed; the removed."""
         removed: list[DiskEntry] = []
         freed = 0
         skipped = []
@@ -688,14 +702,14 @@ class DiskStore:
             item = self._index.get(key)
             if item is None or item.stamp != item_key[-2] or item.children:
                 continue  # stale, or not a leaf (pushed again when its last child goes)
-            if key == keep:
+            if key in keep:
                 skipped.append(item_key)
                 continue
             freed += self._evict_one(key, item, removed)
         for item_key in skipped:
             heapq.heappush(self._heap, item_key)
         if freed < nbytes and not skipped:  # no leaf left to free bytes: only a forged cycle of parents does this
-            rest = sorted((k for k in self._index if k != keep),
+            rest = sorted((k for k in self._index if k not in keep),
                           key=lambda k: (self._index[k].hits > 0, self._index[k].last_access))
             for key in rest:
                 if freed >= nbytes:

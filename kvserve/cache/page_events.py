@@ -71,14 +71,6 @@ def disk_listeners(publisher: "KvEventPublisher") -> tuple[Callable[["DiskEntry"
 
 
 def announce_disk(store: "DiskStore", on_stored: Callable[["DiskEntry"], None]) -> None:
-    """Announce every page the disk holds at start, parents before children."""
-    entries = {entry.key: entry for entry in store.entries()}
-    done: set[bytes] = set()
-    for entry in entries.values():
-        chain = []
-        while entry is not None and entry.key not in done:
-            chain.append(entry)
-            entry = entries.get(entry.parent)
-        for item in reversed(chain):
-            done.add(item.key)
-            on_stored(item)
+    """Announce every page the disk holds at start, parents before children (`entries`' order)."""
+    for entry in store.entries():
+        on_stored(entry)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 from dataclasses import dataclass, field
 
 from kvserve.cache.page_events import ModelEvents, announce_disk, disk_listeners
@@ -66,11 +67,13 @@ class Persistence:
             self.publisher.close()
 
 
-def disk_budget(settings: ServerSettings) -> int:
-    """`--prefix-disk-mb`, or a quarter of the folder's free space."""
+def disk_budget(settings: ServerSettings) -> int | Callable[[int], int]:
+    """`--prefix-disk-mb`, or a quarter of the folder's free space at start, counting the pages the
+    tier already holds there as free (its own files must not shrink the budget of each restart)."""
     if settings.prefix_disk_mb:
         return int(settings.prefix_disk_mb * MIB)
-    return shutil.disk_usage(settings.prefix_disk_dir).free // 4
+    folder = settings.prefix_disk_dir
+    return lambda held: (shutil.disk_usage(folder).free + held) // 4
 
 
 def _open_disk(settings: ServerSettings, publisher) -> "object | None":
