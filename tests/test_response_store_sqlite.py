@@ -138,6 +138,33 @@ def test_a_reopened_file_keeps_its_responses_their_order_and_their_expiry(tmp_pa
     assert len(smaller) == 1 and smaller.get("c", "key") is not None
 
 
+def test_a_ttl_lowered_across_a_restart_applies_from_the_restart(open_store) -> None:
+    """A row stored for 30 days, reopened by a server whose TTL is an hour, lives an hour more, not a
+    month (an operator shortens retention with the flag); a mutation that leaves `expires` alone
+    still answers it 20 days later."""
+    clock = Clock()
+    first = open_store(ttl=30 * 86400, clock=clock)
+    first.put(body("old"), items("secret"))
+    first.close()
+    clock.now += 2 * 3600
+    again = open_store(ttl=3600, clock=clock)
+    assert again.get("old") is not None
+    clock.now += 3600
+    assert again.get("old") is None and len(again) == 0
+    again.close()
+    longer = open_store(ttl=30 * 86400, clock=clock)  # a TTL raised again brings nothing back
+    assert longer.get("old") is None
+
+
+def test_the_byte_bound_counts_utf8_bytes(open_store) -> None:
+    """Non-ASCII text takes up to 4 bytes a character on disk: the bound counts those, not characters
+    (a mutation counting characters keeps 4x the budget of this text)."""
+    store = open_store(max_bytes=10_000)
+    for name in "abcdef":
+        store.put(body(name), items("\N{GRINNING FACE}" * 1000))  # 4,000 bytes of UTF-8 each
+    assert store.bytes_used <= 10_000 and len(store) == 2 and store.bytes_used > 8000
+
+
 def test_a_corrupt_file_is_moved_aside_and_an_empty_one_started(tmp_path: Path, open_store,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     garbage = b"this is not an SQLite database" * 200

@@ -9,7 +9,8 @@ eviction), on one file, `DIR/responses.sqlite3`. Invariants:
   starts again at each boot, so only the wall clock means the same after a restart. A row whose
   `expires` has passed is never answered; `put` deletes those rows.
 - After a `put` the unexpired rows number at most `max_count` and their `size` sums to at most
-  `max_bytes` (opening trims to the bounds too, in case they shrank since the last run).
+  `max_bytes` (opening trims to the bounds too, in case they shrank since the last run). No row
+  expires later than the TTL of the run that opened the store: opening brings later ones in.
 - Writes run in `BEGIN IMMEDIATE` transactions, so the bounds hold even with two stores on one
   file; within a store one lock serialises every use of its one connection, which the event loop
   and worker threads share (`check_same_thread=False`). WAL journal, `synchronous=NORMAL`: a
@@ -142,7 +143,7 @@ class SqliteResponseStore:
             if columns != _COLUMNS:
                 raise _Unusable(f"a responses table of another layout: {', '.join(columns)}")
             self._db = db
-            self._transaction(lambda: self._make_room(0, 0))
+            self._transaction(self._trim)
             return db
         except sqlite3.Error:
             db.close()
@@ -186,6 +187,13 @@ class SqliteResponseStore:
 
         self._transaction(insert)
         return True
+
+    def _trim(self) -> None:
+        """At open: no row outlives this run's TTL (one lowered since the last run applies at once),
+        and the rows fit the bounds (they may have shrunk too)."""
+        latest = self._clock() + self.ttl
+        self._db.execute("UPDATE responses SET expires = ? WHERE expires > ?", (latest, latest))
+        self._make_room(0, 0)
 
     def _make_room(self, size: int, slots: int) -> None:
         """Delete the expired rows, then the oldest until `slots` more rows of `size` bytes fit."""

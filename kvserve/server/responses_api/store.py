@@ -30,7 +30,7 @@ class StoredResponse:
 
 def size_of(body: dict, context: list[InputItem]) -> int:
     """Bytes of a response and its context as JSON: what a store's byte budget counts."""
-    return len(json.dumps(body)) + sum(len(item.model_dump_json()) for item in context)
+    return len(json.dumps(body)) + sum(len(item.model_dump_json().encode()) for item in context)
 
 
 class ResponseStore:
