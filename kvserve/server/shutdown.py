@@ -45,11 +45,15 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
-        models = getattr(self.fastapi.state, "models", None)
-        engines = [m.engine.async_engine for m in models.loaded] if models is not None else []
-        running = [engine for engine in engines if engine.running]
-        if running:
-            _log.info("draining: %d requests in flight, up to %gs", sum(e.in_flight for e in running), self.drain_timeout)
-            failed = sum(await asyncio.gather(*(e.drain(self.drain_timeout, SHUTTING_DOWN) for e in running)))
-            _log.info("drained; %d requests were cut short", failed)
-        self.should_exit = True
+        try:
+            models = getattr(self.fastapi.state, "models", None)
+            if models is not None:
+                models.draining = True  # no model loads or unloads for a request from now
+            engines = [m.engine.async_engine for m in models.loaded] if models is not None else []
+            running = [engine for engine in engines if engine.running]
+            if running:
+                _log.info("draining: %d requests in flight, up to %gs", sum(e.in_flight for e in running), self.drain_timeout)
+                failed = sum(await asyncio.gather(*(e.drain(self.drain_timeout, SHUTTING_DOWN) for e in running)))
+                _log.info("drained; %d requests were cut short", failed)
+        finally:  # whatever the drain met, the server stops
+            self.should_exit = True
