@@ -126,6 +126,7 @@ class AsyncEngine:
         self._watch_task = loop.create_task(self.stall_watch.run(), name="kvserve-stall-watch")
 
     async def stop(self) -> None:
+        self.scheduler.stopping = True  # idle work in progress gives up at its next check
         for task in (self._watch_task, self._task):
             if task is not None:
                 task.cancel()

@@ -91,6 +91,7 @@ class Scheduler:
         self._batch = Batch(pool.ctx.n_batch)
         self.last_progress = time.monotonic()  # when a step last evaluated tokens or ended a request
         self.started = self.last_progress
+        self.stopping = False  # set as the engine stops (any thread): idle work gives up
         self.snapshot = self._take_snapshot()
 
     # -- called from any thread --------------------------------------------------------------------
@@ -168,15 +169,16 @@ class Scheduler:
             self.kv.cache.settle(timeout=IDLE_WAIT)
             return
         cost = self.speculator.cost
-        if cost.next_to_time() is None or self.has_work():
+        interrupted = lambda: self.stopping or self.has_work()  # noqa: E731
+        if cost.next_to_time() is None or interrupted():
             return
-        quiet = lambda: not self.has_work() and not self.kv.cache.pending()  # noqa: E731
+        quiet = lambda: not interrupted() and not self.kv.cache.pending()  # noqa: E731
         try:
             with self.kv.borrowed_session(give_back=quiet) as session:
                 while (n := cost.next_to_time()) is not None and quiet():
                     seconds: dict[int, float] | None = {}
                     try:
-                        seconds = self.pool.ctx.time_ubatches([n], seq=session.seq, stop=self.has_work)
+                        seconds = self.pool.ctx.time_ubatches([n], seq=session.seq, stop=interrupted)
                     except Exception:  # a size that cannot be timed is priced from its neighbours
                         _log.exception("timing a ubatch of %d tokens failed", n)
                     if seconds is None:
