@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvserve.llama.kv_types import KvType, is_quantized
@@ -51,6 +51,16 @@ def parse_lora(item: str) -> tuple[str, Path]:
     if not Path(path).is_file():
         raise ValueError(f"adapter {name!r}: file not found: {path}")
     return name, Path(path)
+
+
+def zmq_address(value: str | None) -> str | None:
+    """A ZMQ address to bind (None: none): a tcp one ends in its port, `*` or 1..65535 (zmq itself
+    takes 99999 for 34463 and -1 for 65535)."""
+    if value is not None and value.startswith("tcp://"):
+        port = value.rpartition(":")[2]
+        if port != "*" and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"{value!r}: a tcp address ends in its port, * or 1..65535")
+    return value
 
 
 def existing_file(value: Path | None) -> Path | None:
@@ -221,6 +231,16 @@ class ServerSettings(BaseModel):
     )
 
     _server_file_exists = field_validator("api_key_file", "models")(existing_file)
+    _zmq_addresses = field_validator("kv_events", "kv_events_replay")(zmq_address)
+
+    @field_validator("kv_events_replay")
+    @classmethod
+    def _replay_apart(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """The replay needs an address of its own (on one ipc path the second bind takes the first's
+        place); `*` ports are two ports."""
+        if value is not None and value == info.data.get("kv_events") and not value.endswith(":*"):
+            raise ValueError(f"{value!r} is --kv-events' address too: the replay needs its own")
+        return value
 
     @field_validator("models_dir")
     @classmethod

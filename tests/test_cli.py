@@ -16,12 +16,25 @@ from kvserve.testing import free_port, kvserve_command
     (["--port", "abc"], "--port"),
     (["--model", "/nonexistent/model.gguf"], "--model: file not found"),
     (["--parallel", "0"], "--parallel"),
+    (["--kv-events", "tcp://127.0.0.1:99999"], "--kv-events: 'tcp://127.0.0.1:99999': a tcp address ends in its port"),
+    (["--kv-events", "ipc:///tmp/kv", "--kv-events-replay", "ipc:///tmp/kv"], "--kv-events-replay: 'ipc:///tmp/kv' is"),
+    (["--kv-events", "garbage"], "--kv-events 'garbage': cannot bind: Invalid argument"),
+    (["--kv-events", "ipc:///nonexistent/dir/sock"], "--kv-events 'ipc:///nonexistent/dir/sock': cannot bind"),
 ])
 def test_bad_settings_exit_2_with_one_line(args: list[str], says: str) -> None:
     done = subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in done.stderr
+
+
+def test_kv_events_addresses_with_a_port_or_a_star_are_settings() -> None:
+    from kvserve.config import Settings
+
+    for pub, replay in (("tcp://*:1", "tcp://*:65535"), ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
+                        ("ipc:///tmp/kv-pub", "ipc:///tmp/kv-replay"), ("tcp://[::1]:5557", None)):
+        settings = Settings(kv_events=pub, kv_events_replay=replay)
+        assert (settings.kv_events, settings.kv_events_replay) == (pub, replay)
 
 
 def test_env_vars_are_settings(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -401,5 +401,22 @@ def test_close_sends_what_is_queued_then_closes_in_time(closing):
 
 
 def test_a_bad_endpoint_fails_at_construction():
-    with pytest.raises(zmq.ZMQError):
+    with pytest.raises(OSError, match="--kv-events 'tcp://no-such-host.invalid:1': cannot bind"):
         KvEventPublisher("tcp://no-such-host.invalid:1")
+
+
+@pytest.mark.parametrize("endpoint, replay, says", [
+    ("garbage", None, "--kv-events 'garbage': cannot bind: Invalid argument"),
+    ("ipc:///nonexistent/dir/sock", None, "--kv-events 'ipc:///nonexistent/dir/sock': cannot bind: No such file"),
+    (ANY, "garbage", "--kv-events-replay 'garbage': cannot bind: Invalid argument"),
+])
+def test_an_address_that_does_not_bind_is_an_os_error_naming_its_flag(endpoint, replay, says):
+    with pytest.raises(OSError, match=says):
+        KvEventPublisher(endpoint, replay)
+
+
+def test_a_port_in_use_is_an_os_error_naming_its_flag(closing):
+    first = KvEventPublisher(ANY)
+    closing(first)
+    with pytest.raises(OSError, match=f"--kv-events-replay '{first.endpoint}': cannot bind: Address already in use"):
+        KvEventPublisher(ANY, first.endpoint)

@@ -32,6 +32,8 @@ Invariants:
   high-water mark they are dropped and the client times out);
 - `close()` returns within its timeout: the thread sends what was queued, then closes the sockets
   (a short linger, so the last batches leave) and its context.
+- an address that does not bind (malformed, a missing folder, a port in use) fails `__init__` with an
+  OSError naming its flag (`--kv-events`, `--kv-events-replay`), the address and zmq's reason.
 """
 
 from __future__ import annotations
@@ -58,6 +60,14 @@ READY_TIMEOUT = 10.0  # seconds __init__ waits for the sockets to bind
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
 _REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+def _bind(sock: zmq.Socket, address: str, flag: str) -> None:
+    """Bind `sock` to `address`; zmq's error becomes an OSError that names `flag` and `address`."""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        raise OSError(f"{flag} {address!r}: cannot bind: {zmq.strerror(e.errno)}") from None
 
 
 def pod_name() -> str:
@@ -152,14 +162,14 @@ class KvEventPublisher:
         pub = ctx.socket(zmq.PUB)
         sockets.append(pub)
         pub.setsockopt(zmq.SNDHWM, SNDHWM)
-        pub.bind(self.endpoint)
+        _bind(pub, self.endpoint, "--kv-events")
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.replay_endpoint is None:
             return pub, None
         router = ctx.socket(zmq.ROUTER)
         sockets.append(router)
         router.setsockopt(zmq.SNDHWM, (self._ring.maxlen or 0) + 2)  # room for a whole replay and its end
-        router.bind(self.replay_endpoint)
+        _bind(router, self.replay_endpoint, "--kv-events-replay")
         self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         return pub, router
 
