@@ -41,6 +41,35 @@ def test_keep_alive_reads_ollamas_durations() -> None:
             keep_alive_seconds(bad)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": CHAT["messages"]}), ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/embeddings", {"input": "Hi"}), ("/v1/messages", {"messages": CHAT["messages"], "max_tokens": 8}),
+    ("/v1/messages/count_tokens", {"messages": CHAT["messages"]}), ("/v1/responses", {"input": "Hi"}),
+])
+def test_a_bool_keep_alive_is_a_400_not_one_second(path: str, body: dict) -> None:
+    from fastapi.testclient import TestClient
+
+    from kvserve.server.app import create_app
+
+    client = TestClient(create_app(Settings()))  # outside its context no model loads: validation answers
+    for flag in (True, False):
+        refused = client.post(path, json={**body, "keep_alive": flag})
+        assert refused.status_code == 400, refused.text
+        assert f"keep_alive: {str(flag).lower()} is not a duration" in refused.json()["error"]["message"]
+
+
+def test_a_number_or_duration_keep_alive_is_kept_as_sent() -> None:
+    from kvserve.server.embeddings import EmbeddingRequest
+    from kvserve.server.messages_api.schemas import CountTokens
+    from kvserve.server.responses_api.schemas import CreateResponse
+    from kvserve.server.schemas import ChatCompletionRequest
+
+    for body in (ChatCompletionRequest(messages=CHAT["messages"]), EmbeddingRequest(input="Hi"),
+                 CountTokens(messages=CHAT["messages"]), CreateResponse(input="Hi")):
+        for kept in (300, 0, -1, 2.5, "5m", "-1", None):
+            assert type(body).model_validate({**body.model_dump(), "keep_alive": kept}).keep_alive == kept
+
+
 def test_models_dir_names_each_file_by_its_own_name(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere" / "real-name.gguf"
     target.parent.mkdir()

@@ -22,6 +22,7 @@ from kvserve.scheduler.async_engine import EngineStopped, QueueFull
 from kvserve.scheduler.embeddings import EmbeddingFailed, EmbeddingJob
 from kvserve.scheduler.engine import Engine
 from kvserve.server.model_set import engine_for
+from kvserve.server.schemas import KeepAlive
 from kvserve.server.errors import APIError, engine_error, error_responses, invalid
 # the generation routes' watch on the client (to be made public there once issue 21's rework of that module lands)
 from kvserve.server.generation import _ClientGone, _unless_disconnected, accepting, rejected
@@ -38,7 +39,7 @@ class _Body(BaseModel):
 class EmbeddingRequest(_Body):
     input: Input
     model: str | None = None
-    keep_alive: Union[float, str, None] = None  # Ollama's: how long the model stays loaded once idle
+    keep_alive: KeepAlive = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None

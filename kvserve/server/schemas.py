@@ -7,7 +7,8 @@ import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    BaseModel, ConfigDict, Discriminator, Field, TypeAdapter, ValidationError, field_validator, model_validator,
+    BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, TypeAdapter, ValidationError, field_validator,
+    model_validator,
 )
 from pydantic.json_schema import SkipJsonSchema
 
@@ -32,6 +33,18 @@ class ErrorResponse(BaseModel):
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _no_bool(value: object) -> object:
+    """A duration is no bool: a float field would read `true` as 1 second."""
+    if isinstance(value, bool):
+        raise ValueError(f"{json.dumps(value)} is not a duration (seconds, or such as 5m, 1h30m, -1)")
+    return value
+
+
+# Ollama's keep_alive, how long the model stays loaded once idle: seconds, or a duration such as "5m"
+# that catalog.keep_alive_seconds reads when the model is leased.
+KeepAlive = Annotated[Union[float, str, None], BeforeValidator(_no_bool)]
 
 
 def tagged(*kinds: tuple[type[Body], tuple[str | None, ...]], refusal: str,
@@ -181,7 +194,7 @@ class Sampling(Body):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    keep_alive: Union[float, str, None] = None  # Ollama's: how long the model stays loaded once idle
+    keep_alive: KeepAlive = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)

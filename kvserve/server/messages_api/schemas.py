@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field, Tag, field_validator, model_validator
 
-from kvserve.server.schemas import Body, cache_salt_field, tagged
+from kvserve.server.schemas import Body, KeepAlive, cache_salt_field, tagged
 from kvserve.tools.spec import NAME_PATTERN
 
 
@@ -167,7 +167,7 @@ class CountTokens(Body):
     """What a prompt is made of: the body of count_tokens, and the start of every message request."""
 
     model: str | None = None  # the model's name or alias (any name, where one model is served)
-    keep_alive: Union[float, str, None] = None  # Ollama's: how long the model stays loaded once idle
+    keep_alive: KeepAlive = None
     messages: list[InputMessage] = Field(min_length=1)
     system: Union[str, list[TextBlock], None] = None
     tools: list[Tool] | None = None

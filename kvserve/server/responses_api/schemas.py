@@ -10,7 +10,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import Field, Tag, ValidationInfo, field_validator, model_validator
 
-from kvserve.server.schemas import MAX_TOP_LOGPROBS, Body, cache_salt_field, tagged
+from kvserve.server.schemas import MAX_TOP_LOGPROBS, Body, KeepAlive, cache_salt_field, tagged
 from kvserve.tools.spec import NAME_PATTERN
 
 MAX_METADATA_PAIRS = 16
@@ -175,7 +175,7 @@ _UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 class CreateResponse(Body):
     model: str | None = None
-    keep_alive: Union[float, str, None] = None  # Ollama's: how long the model stays loaded once idle
+    keep_alive: KeepAlive = None
     input: Union[str, list[InputItem]] = Field(default_factory=list)
     instructions: str | None = None
     previous_response_id: str | None = None
