@@ -202,6 +202,18 @@ def test_a_row_that_does_not_decode_is_absent_and_deleted(tmp_path: Path, open_s
     assert store.get("a") is None and len(store) == 1 and store.get("b").context == items("b")
 
 
+@pytest.mark.parametrize("stored", ["5", "{}", '{"id": "x", "output": []}', '{"id": "a", "output": 7}',
+                                    '{"output": []}', '[{"id": "a", "output": []}]'])
+def test_a_body_that_is_not_the_response_object_is_absent_and_deleted(tmp_path: Path, open_store,
+                                                                       stored: str) -> None:
+    store = open_store()
+    store.put(body("a"), items("a"))
+    store.put(body("b"), items("b"))
+    with sqlite3.connect(tmp_path / FILE_NAME) as db:
+        db.execute("UPDATE responses SET body = ? WHERE id = 'a'", (stored,))
+    assert store.get("a") is None and len(store) == 1 and store.get("b").body == body("b")
+
+
 def test_two_stores_on_one_file_from_two_threads(tmp_path: Path, open_store) -> None:
     stores = [open_store(max_count=50), open_store(max_count=50)]
     errors: list[BaseException] = []

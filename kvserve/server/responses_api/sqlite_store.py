@@ -17,7 +17,8 @@ eviction), on one file, `DIR/responses.sqlite3`. Invariants:
   crash of the machine may lose the last responses, never the file.
 - A file that is not a readable database of this layout is renamed aside
   (`responses.sqlite3.corrupt-<unix time>`, with its -wal and -shm) and an empty one started, at
-  open or when a query meets corruption later; a row that does not decode is absent and deleted.
+  open or when a query meets corruption later; a row that does not decode (its body not a response
+  object with its id and a list `output`, its context not input items) is absent and deleted.
   Other SQLite errors (disk full, a lock held too long) are logged, and the call answers as if
   the response were not there: a store that fails costs a continuation, never the server.
 """
@@ -64,6 +65,14 @@ T = TypeVar("T")
 
 class _Unusable(sqlite3.DatabaseError):
     """A database that opens but is not one this store can use."""
+
+
+def _response_object(body: object, response_id: str) -> dict:
+    """A stored body that decodes: a response object, a dict whose `id` is `response_id` and whose
+    `output` is a list; anything else (valid JSON or not) raises ValueError."""
+    if not (isinstance(body, dict) and body.get("id") == response_id and isinstance(body.get("output"), list)):
+        raise ValueError("the body is not this response's object")
+    return body
 
 
 def _corrupt(error: sqlite3.Error) -> bool:
@@ -215,7 +224,8 @@ class SqliteResponseStore:
             return None
         owner, expires, size, body, context = row
         try:
-            return StoredResponse(json.loads(body), _CONTEXT.validate_json(context), size, expires, owner)
+            response = _response_object(json.loads(body), response_id)
+            return StoredResponse(response, _CONTEXT.validate_json(context), size, expires, owner)
         except (ValueError, ValidationError) as error:  # json's errors are ValueErrors
             _log.warning("response store %s: dropping %s, which does not decode (%s)", self.path, response_id, error)
             self._write("DELETE FROM responses WHERE id = ?", (response_id,))
