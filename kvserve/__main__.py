@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         specs = catalog(settings)
         if not settings.many_models:
             preflight(settings)
-        persistence = Persistence.open(settings)  # a folder another server holds stops this one here
+        persistence = Persistence.open(settings, [spec.name for spec in specs])  # a busy folder stops this one here
     except (ValueError, DiskLocked, OSError) as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -13,6 +13,7 @@ import sys
 import struct
 import threading
 import time
+import types
 import zlib
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import xxhash
 from kvserve.cache.disk_store import (
     MAGIC, SUFFIX, TMP_SUFFIX, VERSION, DiskEntry, DiskLocked, DiskStore, decode_header, encode_header, header_size,
 )
-from kvserve.cache.page_events import announce_disk
+from kvserve.cache.page_events import announce_start
 from kvserve.config import ServerSettings
 from kvserve.server import persistence
 
@@ -450,8 +451,9 @@ def test_a_forged_cycle_of_parents_can_still_be_evicted(tmp_path: Path) -> None:
 
 
 def test_pages_are_announced_at_start_parents_first_even_with_a_forged_cycle(tmp_path: Path) -> None:
-    """`announce_disk` announces each page once, after its parent; a forged cycle (each file the
-    other's parent) ends it too (the walk up parents it replaced never did)."""
+    """`announce_start` clears each model served or on disk, then announces each page once, after its
+    parent; a forged cycle (each file the other's parent) ends it too (the walk up parents it
+    replaced never did)."""
     a, b = page(1)[0], page(2)[0]
     for key, parent in ((a, b), (b, a)):
         path_of(tmp_path, key).parent.mkdir(parents=True, exist_ok=True)
@@ -461,12 +463,14 @@ def test_pages_are_announced_at_start_parents_first_even_with_a_forged_cycle(tmp
         for i in range(3, 6):
             chain.append(put(store, i, b"y", parent=chain[-1]))
         store.flush(5)
-    with DiskStore(tmp_path, 1 << 20) as store:
-        announced: list[bytes] = []
+    announced: list[bytes] = []
+    cleared: list[str] = []
+    with DiskStore(tmp_path, 1 << 20, on_stored=lambda e: announced.append(e.key)) as store:
         done = threading.Event()
-        threading.Thread(target=lambda: (announce_disk(store, lambda e: announced.append(e.key)), done.set()),
-                         daemon=True).start()
+        publisher = types.SimpleNamespace(cleared=cleared.append)
+        threading.Thread(target=lambda: (announce_start(publisher, store, ["served"]), done.set()), daemon=True).start()
         assert done.wait(10)
+        assert cleared == ["model-a", "served"]
         assert sorted(announced) == sorted([a, b] + chain[1:])
         assert [k for k in announced if k in chain] == chain[1:]
 

@@ -1,6 +1,7 @@
 """KV events from a real server: a router that knows only the events (vLLM's wire format, decoded by
 kvserve.testing.kv_events) predicts `/v1/prefix/match`'s `page_tokens` exactly, prompt after prompt, while pages go
-from host memory to disk and out of it, and again after a restart on the same folder."""
+from host memory to disk and out of it, and again after a restart on the same folder, where the same
+router's index forgets what died with the process before."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def _index(subscriber: Subscriber) -> EventIndex:
     topics = list(subscriber.indexes)
     assert len(topics) == 1 and topics[0].startswith("kv@") and topics[0].endswith("@m")
     return subscriber.indexes[topics[0]]
+
+
+def _in_host(index: EventIndex) -> list[bytes]:
+    return [h for h, block in index.blocks.items() if "cpu" in block.media]
 
 
 def _check(url: str, index: EventIndex, prompt: list[int]) -> int:
@@ -75,13 +80,17 @@ def test_an_index_built_from_events_predicts_prefix_match(smollm2: Path, tmp_pat
             disk = app.state.models.persistence.disk.stats()
             assert disk.evictions > 0 and app.state.models.only.cache.stats().evicted_pages > 0
             assert matched > 50 and not subscriber.gaps and not subscriber.errors
+            known = dict(subscriber.indexes)  # what the router knows as the server goes
+            assert _in_host(_index(subscriber))  # pages a restart loses, which no event will say are gone
         finally:
             subscriber.close()
-    with served(smollm2, **tiers) as (url, app):  # a restart: what the disk holds is announced again
+    with served(smollm2, **tiers) as (url, app):  # a restart: cleared, then what the disk holds announced again
         publisher = app.state.models.persistence.publisher
         subscriber = Subscriber(publisher.endpoint, publisher.replay_endpoint, "kv@")
+        subscriber.indexes.update(known)  # the same router, following the new process
         try:
             _caught_up(app, subscriber)
+            assert not _in_host(_index(subscriber))  # the new process holds nothing in host memory yet
             assert sum(_check(url, _index(subscriber), prompt) > 0 for prompt in prompts) > 0
         finally:
             subscriber.close()

@@ -7,13 +7,15 @@ Invariants:
 - every page stored in a tier is announced once per tier (`cpu` for host memory, `disk`), and every
   page that leaves a tier is announced removed from it; a page is gone for a router once every tier
   it entered removed it;
-- `AllBlocksCleared` only when nothing of the model is left anywhere (no disk tier, host cleared).
+- `AllBlocksCleared` only when nothing of the model is left anywhere (no disk tier, host cleared),
+  and as the server starts, before what its disk holds is announced again: a router that followed
+  the process before it forgets what died with that process.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvserve.cache.page_tree import PageNode
 
@@ -70,7 +72,14 @@ def disk_listeners(publisher: "KvEventPublisher") -> tuple[Callable[["DiskEntry"
     return on_stored, on_removed
 
 
-def announce_disk(store: "DiskStore", on_stored: Callable[["DiskEntry"], None]) -> None:
-    """Announce every page the disk holds at start, parents before children (`entries`' order)."""
-    for entry in store.entries():
-        on_stored(entry)
+def announce_start(publisher: "KvEventPublisher", store: "DiskStore | None", models: Iterable[str]) -> None:
+    """What a router hears as the server starts: `AllBlocksCleared` for each model it may have heard
+    of from the process before this one (`models`, and those with pages on disk), whose pages in host
+    memory died with it unannounced (a crash announces nothing); then every page the disk holds,
+    parents before children (`entries`' order)."""
+    entries = store.entries() if store is not None else []
+    for model in sorted(set(models) | {e.tag for e in entries if e.tag and not e.tag.endswith("#state")}):
+        publisher.cleared(model)
+    if store is not None and store.on_stored is not None:
+        for entry in entries:
+            store.on_stored(entry)

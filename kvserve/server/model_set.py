@@ -338,7 +338,8 @@ class ModelSet:
         """Load the models marked `load_at_start` (`--model` alone: its model; a failure there stops the
         server, as ever), then unload idle ones past their keep-alive, every second. The disk tier and
         the event publisher open first: another server on the same folder stops this one here."""
-        self.persistence = self._opened or await asyncio.to_thread(Persistence.open, self.settings)
+        names = [model.spec.name for model in self.models]
+        self.persistence = self._opened or await asyncio.to_thread(Persistence.open, self.settings, names)
         for model in self.models:
             if model.spec.load_at_start:
                 try:

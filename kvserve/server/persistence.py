@@ -4,8 +4,9 @@ publisher, opened once at start and shared by every model it loads.
 Invariants:
 - one server per `--prefix-disk-dir`: a second one on the same folder refuses to start (the disk
   store's lock), saying which process holds it;
-- a model's pages are written and announced under its served name, and every page on disk at start
-  is announced once, parents first, before any model serves;
+- a model's pages are written and announced under its served name; at start each model served, and
+  each with pages on disk, is announced cleared, then every page on disk once, parents first, before
+  any model serves;
 - `close` finishes queued disk writes (bounded), then the publisher's queue, then releases both.
 """
 
@@ -14,10 +15,10 @@ from __future__ import annotations
 import logging
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvserve.cache.page_events import ModelEvents, announce_disk, disk_listeners
+from kvserve.cache.page_events import ModelEvents, announce_start, disk_listeners
 from kvserve.cache.tiers import Tiers
 from kvserve.config import ServerSettings
 from kvserve.llama.seq_state import mapped
@@ -35,7 +36,9 @@ class Persistence:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvserve-map"))
 
     @classmethod
-    def open(cls, settings: ServerSettings) -> "Persistence":
+    def open(cls, settings: ServerSettings, models: Iterable[str] = ()) -> "Persistence":
+        """The disk tier and the publisher `settings` ask for; `models`: the names the server serves,
+        each announced cleared before the disk's pages (`announce_start`)."""
         publisher = None
         if settings.kv_events:
             from kvserve.cache.kv_events import KvEventPublisher
@@ -47,6 +50,8 @@ class Persistence:
             if publisher is not None:
                 publisher.close()
             raise
+        if publisher is not None:
+            announce_start(publisher, disk, models)
         return cls(disk, publisher)
 
     def tiers(self, model: str, page_rows: int) -> Tiers:
@@ -89,6 +94,4 @@ def _open_disk(settings: ServerSettings, publisher) -> "object | None":
     stats = disk.stats()
     _log.info("disk tier: %s, %d pages (%.0f MiB) of %.0f MiB, %d files refused at start",
               settings.prefix_disk_dir, stats.pages, stats.bytes / MIB, stats.budget_bytes / MIB, stats.refused)
-    if on_stored is not None:
-        announce_disk(disk, on_stored)
     return disk
