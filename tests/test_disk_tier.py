@@ -270,6 +270,26 @@ def test_another_kv_type_never_attaches(smollm2: Path, tmp_path: Path, monkeypat
         assert request.state.cached_tokens == 0 and e.cache.disk_refused >= 1
 
 
+def test_a_model_edited_in_its_middle_never_attaches_the_originals_pages(smollm2: Path, tmp_path: Path) -> None:
+    """Two files alike but for bytes in the middle of their weights (a layer-edited variant) are two
+    models: their page keys differ, so the variant on the original's folder attaches nothing. The
+    fingerprint once read the size and the first and last MiB only: both got one, and the variant
+    attached the original's rows (64 cached tokens, another first token's logprob)."""
+    variant = tmp_path / "variant.gguf"
+    data = bytearray(smollm2.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + (2 << 20)] = bytes(2 << 20)
+    variant.write_bytes(data)
+    with disk_engine(smollm2, tmp_path / "disk") as e:
+        prompt = e.model.tokenize(TEXT, add_special=True)
+        run(e, [greedy(prompt, 4)])
+        original = e.model.fingerprint
+    with disk_engine(variant, tmp_path / "disk") as e:
+        request = greedy(prompt, 4)
+        run(e, [request])
+        assert e.model.fingerprint != original and request.state.cached_tokens == 0
+
+
 @pytest.mark.parametrize("arch", ["lfm2", "mamba"])
 def test_checkpoints_survive_a_restart(tiny, tmp_path: Path, arch: str) -> None:
     from test_state_cache import SYSTEM, _chat_request
