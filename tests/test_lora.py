@@ -224,3 +224,41 @@ def test_an_adapter_llama_cpp_cannot_load_is_one_line_and_exit_2(tmp_path: Path,
         assert done.returncode == 2
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "could not load the adapter 'X'" in lines[0] and says in lines[0], done.stderr
+
+
+def test_a_name_given_another_adapter_file_after_a_restart_attaches_none_of_its_rows(
+        smollm2: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    """The disk tier outlives the process, and an adapter's name may point at another file in the
+    next one: rows are named by the adapter's file too, so `A` served from B's file attaches none of
+    what `A` computed from A's file, and answers as B's file does from scratch (rows of A's file
+    once attached: 64 cached tokens and other logprobs). `/v1/prefix/match` says the same."""
+    long = {"messages": [{"role": "system", "content": SYSTEM * 3}, {"role": "user", "content": QUESTION}],
+            "model": "A", "max_tokens": 4, "temperature": 0, "logprobs": True}
+    folder = tmp_path / "disk"
+    with serve(smollm2, lora=[f"A={adapters['A']}"], prefix_disk_dir=folder, **SMALL) as url:
+        first = httpx.post(f"{url}/v1/chat/completions", json=long, timeout=300).json()
+        assert first["usage"]["prompt_tokens"] > 64
+    with serve(smollm2, lora=[f"A={adapters['B']}"], prefix_disk_dir=folder, **SMALL) as url:
+        match = httpx.post(f"{url}/v1/prefix/match", json=long, timeout=60).json()
+        again = httpx.post(f"{url}/v1/chat/completions", json=long, timeout=300).json()
+    with serve(smollm2, lora=[f"A={adapters['B']}"], **SMALL) as url:
+        alone = httpx.post(f"{url}/v1/chat/completions", json=long, timeout=300).json()
+    assert match["page_tokens"] == 0 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    tokens = [[t["logprob"] for t in r["choices"][0]["logprobs"]["content"]] for r in (again, alone)]
+    assert again["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    assert np.allclose(tokens[0], tokens[1], atol=SMOLLM2_TOLERANCE), tokens
+
+
+def test_prefix_match_answers_for_the_adapters_the_body_names(url: str) -> None:
+    """`/v1/prefix/match` looks in the namespace the same body would be served in: after a base-model
+    request, the adapter's match is what the adapter's request attaches (none), not the base's."""
+    long = {"messages": [{"role": "system", "content": SYSTEM * 3}, {"role": "user", "content": "Say hi."}],
+            "max_tokens": 2, "temperature": 0}
+    assert httpx.post(f"{url}/v1/chat/completions", json=long, timeout=300).status_code == 200
+    base = httpx.post(f"{url}/v1/prefix/match", json=long, timeout=60).json()
+    for pick in ({"model": "A"}, {"lora": [{"id": 1, "scale": 1.0}]}):
+        matched = httpx.post(f"{url}/v1/prefix/match", json={**long, **pick}, timeout=60).json()
+        served = httpx.post(f"{url}/v1/chat/completions", json={**long, **pick}, timeout=300).json()
+        assert base["page_tokens"] > 0 and matched["page_tokens"] == 0, (base, matched)
+        assert served["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert httpx.post(f"{url}/v1/prefix/match", json={**long, "lora": [{"id": 5}]}, timeout=60).status_code == 400

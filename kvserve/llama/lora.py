@@ -8,7 +8,9 @@ Invariants:
 - an adapter set is canonical: (name, scale) pairs sorted by name, no zero scale (llama.cpp drops
   zero-scale adapters, so scale 0 is the base model), no name twice; equal sets compare equal;
 - the context's adapters change only through `LoraAdapters.apply`, which knows what is set and
-  skips a call that would change nothing.
+  skips a call that would change nothing;
+- a set's rows are named by its names and scales and by its files' bytes (`files`): a name that
+  points at another file after a restart names other rows.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import llama_cpp
 
 from kvserve.llama.backend import log_lines
 from kvserve.llama.context import Context
-from kvserve.llama.model import Model
+from kvserve.llama.model import Model, file_digest
 
 AdapterSet = tuple[tuple[str, float], ...]
 # the lines of llama.cpp's log that say why an adapter did not load (it also dumps the file's metadata)
@@ -56,6 +58,7 @@ class LoraAdapters:
     def __init__(self, model: Model, paths: Mapping[str, Path]) -> None:
         self.model = model
         self._ptrs: dict[str, object] = {}
+        self._digests: dict[str, str] = {}  # each adapter's file (`file_digest`), by name
         self._applied: dict[int, AdapterSet] = {}  # per context (by id): what is set now
         try:
             for name, path in paths.items():
@@ -66,6 +69,7 @@ class LoraAdapters:
                     raise AdapterLoadError(f"llama.cpp could not load the adapter {name!r} from {path}"
                                            + (f" ({why})" if why else ""))
                 self._ptrs[name] = ptr
+                self._digests[name] = file_digest(path)
         except AdapterLoadError:
             self.close()
             raise
@@ -73,6 +77,11 @@ class LoraAdapters:
     @property
     def names(self) -> list[str]:
         return list(self._ptrs)
+
+    def files(self, adapters: AdapterSet) -> str:
+        """The digests of the files behind `adapters`, in their order: with `describe`, what a cache
+        namespace is built from, so a name given another file after a restart shares no rows."""
+        return ",".join(self._digests[name] for name, _ in adapters)
 
     def apply(self, ctx: Context, adapters: AdapterSet) -> bool:
         """Set `adapters` on `ctx` for its next decodes; False when they were set already."""

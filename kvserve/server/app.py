@@ -109,7 +109,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = await engine_for(request, body.model, keep_alive=body.keep_alive, generate=True)
     prompt = await asyncio.to_thread(prompts.completion_prompt, engine.model, body)
     params = prompts.sampling_params(engine.model, body, None)
-    job = prompts.build_request(prompt, body, params, body.logprobs, engine.scheduler.config, "cmpl", "prompt",
+    job = prompts.build_request(prompt, body, params, body.logprobs, engine, "cmpl", "prompt",
                                 tenant=tenant_of(request), adapters=prompts.adapters_for(engine, body))
     return await respond(request, engine, job, _answer(engine, Shape(False, prompts.served_model(engine, body), job),
                                                         body.stream, body.stream_options))

@@ -26,7 +26,8 @@ async def prefix_match(body: dict, request: Request) -> dict:
     parsed = prompts.parse_body(body)
     engine = await engine_for(request, parsed.model)
     tokens = await prompts.prompt_tokens(engine.model, engine.template, parsed)
-    key = PrefixKey(prompts.job_namespace(parsed, tenant_of(request)), tokens)
+    namespace = prompts.job_namespace(parsed, tenant_of(request), engine, prompts.adapters_for(engine, parsed))
+    key = PrefixKey(namespace, tokens)
 
     def match() -> dict:
         keys = getattr(engine.cache, "matched_keys", lambda _: [])(key)

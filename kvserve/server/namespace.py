@@ -31,11 +31,14 @@ def tenant_id(api_key: str) -> str:
     return _digest("key", api_key)
 
 
-def request_namespace(*, tenant: str | None, cache_salt: str | None, adapters: str = "") -> str:
+def request_namespace(*, tenant: str | None, cache_salt: str | None, adapters: str = "",
+                      adapter_files: str = "") -> str:
     """The namespace a request's rows belong to: its tenant (None: shared, as without keys or under
     `--cache-isolation none`), its `cache_salt` (None: none) and its adapter set (a canonical string
-    of the request's LoRA adapters, "" for the base model). No part at all: the shared namespace."""
-    values = dict(zip(_PARTS, (tenant, cache_salt, adapters)))
+    of the request's LoRA adapters, "" for the base model, with the digests of their files). No part
+    at all: the shared namespace."""
+    lora = f"{adapters}\0{adapter_files}" if adapters else ""
+    values = dict(zip(_PARTS, (tenant, cache_salt, lora)))
     namespace = "+".join(f"{part}:{_digest(part, value)}" for part, value in values.items() if value)
     if adapters:
         _ADAPTERS[namespace] = adapters

@@ -18,7 +18,6 @@ from kvserve.reply import ReasoningFormat, ReasoningSyntax, ReplyPlan, syntax_fo
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.thinking import ThinkingLimit
 from kvserve.scheduler.request import Request
-from kvserve.scheduler.config import SchedulerConfig
 from kvserve.server.errors import context_length_exceeded, invalid, invalid_body
 from kvserve.llama.lora import BASE, AdapterSet, adapter_set, describe
 from kvserve.server.namespace import request_namespace
@@ -183,9 +182,12 @@ async def body_prompt(model: Model, template: ChatTemplate, body: dict) -> list[
     return await prompt_tokens(model, template, parse_body(body))
 
 
-def job_namespace(body: Sampling, tenant: str | None, adapters: AdapterSet = BASE) -> str:
-    """The cache namespace a body is served in, for the caller `tenant` (None: shared), under `adapters`."""
-    return request_namespace(tenant=tenant, cache_salt=body.cache_salt, adapters=describe(adapters))
+def job_namespace(body: Sampling, tenant: str | None, engine: Engine, adapters: AdapterSet = BASE) -> str:
+    """The cache namespace a body is served in, for the caller `tenant` (None: shared), under `adapters`
+    (of `engine`'s)."""
+    files = engine.lora.files(adapters) if adapters and engine.lora else ""
+    return request_namespace(tenant=tenant, cache_salt=body.cache_salt, adapters=describe(adapters),
+                             adapter_files=files)
 
 
 def adapters_for(engine: Engine, body: Sampling) -> AdapterSet:
@@ -286,7 +288,7 @@ async def chat_job(engine: Engine, body: ChatCompletionRequest, *, tenant: str |
     predicted = await asyncio.to_thread(
         lambda: engine.model.tokenize(prediction, add_special=False, parse_special=False)) if prediction else []
     special = prompt.reasoning is not None or (prompt.tools is not None and prompt.tools.special_text)
-    job = build_request(prompt.tokens, body, params, logprobs, engine.scheduler.config, "chatcmpl", "messages",
+    job = build_request(prompt.tokens, body, params, logprobs, engine, "chatcmpl", "messages",
                         tenant=tenant, marks=prompt.marks, special_text=special,
                         thinking=thinking_limit(engine, prompt.reasoning, body.reasoning_budget),
                         prediction=predicted, adapters=adapters_for(engine, body))
@@ -303,13 +305,14 @@ def thinking_limit(engine: Engine, syntax: ReasoningSyntax | None, budget: int |
 
 
 def build_request(
-    prompt: list[int], body: Sampling, params: SamplingParams, logprobs: int | None, limits: SchedulerConfig,
+    prompt: list[int], body: Sampling, params: SamplingParams, logprobs: int | None, engine: Engine,
     prefix: str, param: str, *, tenant: str | None, marks: list[Mark] | None = None, special_text: bool = False,
     thinking: ThinkingLimit | None = None, prediction: list[int] | None = None, adapters: AdapterSet = BASE,
 ) -> Request:
     """The request for `prompt` under `adapters`, in the cache namespace of `tenant`, the body's salt
     and those adapters; a prompt that is empty or leaves no room is a 400 naming `param`, the field
     of the body that holds it."""
+    limits = engine.scheduler.config
     if body.n > limits.max_running:  # its choices decode side by side: they could never all be admitted
         raise invalid(f"n is {body.n}, but this server runs at most {limits.max_running} sequences at once", "n")
     max_seq_len = limits.max_seq_len
@@ -329,7 +332,7 @@ def build_request(
         ignore_eos=body.ignore_eos,
         marks=marks or [],
         special_text=special_text,
-        namespace=job_namespace(body, tenant, adapters),
+        namespace=job_namespace(body, tenant, engine, adapters),
         thinking=thinking,
         prediction=prediction or [],
         adapters=adapters,
