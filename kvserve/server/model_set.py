@@ -283,15 +283,20 @@ class ModelSet:
             if not idle:
                 if model.engine is not None:
                     await self._close(model)
-                raise APIError(503, self._no_room(model, count, used), type="server_error", code="model_no_room")
+                raise APIError(503, self._no_room(model, count, used, others, waited=bool(busy)), type="server_error",
+                               code="model_no_room")
             await self._close(idle[0])
 
-    def _no_room(self, model: ServedModel, count: int, used: int) -> str:
+    def _no_room(self, model: ServedModel, count: int, used: int, others: list[ServedModel], waited: bool) -> str:
+        if waited:
+            none_can_go = "none of the others became idle within --queue-timeout"
+        else:
+            none_can_go = "every other one is pinned" if others else "no other model is loaded"
         if count > self.settings.models_max:
             return (f"cannot load model '{model.spec.name}': {count - 1} models are loaded (--models-max "
-                    f"{self.settings.models_max}) and none became idle and unpinned within --queue-timeout")
+                    f"{self.settings.models_max}) and {none_can_go}")
         return (f"cannot load model '{model.spec.name}': it needs {used / MIB:.0f} MiB with the models loaded and "
-                f"the prefix cache, over --models-mb {self.budget / MIB:.0f}, and no idle unpinned model can go")
+                f"the prefix cache, over --models-mb {self.budget / MIB:.0f}, and {none_can_go}")
 
     async def unload(self, name: str) -> bool:
         """Unload `name`'s model now (POST /models/unload): False when it is not loaded; a 409 while in use."""
