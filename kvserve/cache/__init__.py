@@ -70,8 +70,9 @@ def create_kv_pool(model: Model, page_rows: int = 16, *, n_ctx_seq: int = 2048, 
     params = ContextParams(n_ctx_seq=n_ctx_seq, n_batch=max(n_batch, n_streams), n_seq_max=n_streams,
                            n_threads=n_threads, flash_attn=flash_attn, type_k=kv_types[0], type_v=kv_types[1])
     ctx = Context(model, params)
-    if kept is not None:
-        kept.rebind(ctx)
+    if kept is not None and not kept.rebind(ctx):  # rows of another file or format: never attached here
+        kept.release()
+        kept = None
     cache = kept if kept is not None else create_prefix_cache(ctx, page_rows, **cache_options)
     return StreamPool(ctx, on_end=cache.unlock, reuse=cache_options.get("enabled", True)), cache
 

@@ -32,8 +32,8 @@ class NoCache(PrefixCache):
     def release(self) -> None:
         pass
 
-    def rebind(self, ctx: object) -> None:
-        pass
+    def rebind(self, ctx: object) -> bool:
+        return True
 
     def stats(self) -> CacheStats:
         return CacheStats()

@@ -595,10 +595,13 @@ class PageCache(PrefixCache):
         if self.tiers.disk is not None:
             self.tiers.disk.release(node.key)
 
-    def rebind(self, ctx: Context) -> None:
+    def rebind(self, ctx: Context) -> bool:
         if any(self._locks.values()):
             raise RuntimeError("sessions still read cached pages: end them first")
+        if row_format(ctx, self.page_rows).digest() != self.tree.rows:
+            return False
         self.ctx = self.rows.ctx = ctx
+        return True
 
     def release(self) -> None:
         """Drop every page; no session may still hold one."""

@@ -85,10 +85,11 @@ class PrefixCache(ABC):
         """Give back everything the cache keeps; no session may still hold a lock."""
 
     @abstractmethod
-    def rebind(self, ctx: "Context") -> None:
+    def rebind(self, ctx: "Context") -> bool:
         """Serve `ctx` from now on, keeping what is cached: a context over the same model file with
         the same settings as the one the rows were read from (the model reloaded); no session may
-        still hold a lock."""
+        still hold a lock. False, rebinding nothing, where `ctx`'s rows are of another format (another
+        file, KV type or page size): the caller releases the cache."""
 
     def namespaces(self) -> set[str]:
         """The namespaces it holds rows of."""

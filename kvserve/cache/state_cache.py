@@ -254,10 +254,13 @@ class StateCache(PrefixCache):
         self.checkpoints.remove(checkpoint)
         self._evictions += 1
 
-    def rebind(self, ctx: Context) -> None:
+    def rebind(self, ctx: Context) -> bool:
         if any(self._locks.values()):
             raise RuntimeError("sessions still use checkpoints: end them first")
+        if row_format(ctx, self.page_rows).digest() != self._rows:
+            return False
         self.ctx = ctx
+        return True
 
     def release(self) -> None:
         if any(self._locks.values()):
