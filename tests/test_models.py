@@ -5,8 +5,10 @@ embedding model refusing to generate."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,12 +22,16 @@ import pytest
 from bench import llama_server
 
 from kvserve.config import Settings
+from kvserve.llama.sampler import SamplingParams
+from kvserve.scheduler.request import Request
+from kvserve.server.errors import APIError
+from kvserve.server.model_set import MIB, ModelSet
 from kvserve.llama.context import Context
 from kvserve.scheduler.async_engine import THREAD_IDLE_S
 from kvserve.server.catalog import catalog, keep_alive_seconds, scan
 from kvserve.testing import ServerProcess, free_port, wait_until
 from kvserve.testing.part_models import part_model
-from tests.conftest import served
+from tests.conftest import engine, served
 
 CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}
 
@@ -257,8 +263,25 @@ def test_models_mb_unloads_the_least_recently_used_model_that_does_not_fit(model
     with several(models_dir, models_mb=150) as (client, _):  # SmolLM2 alone does not fit
         refused = chat(client, "smollm2")
         assert refused.status_code == 503 and "--models-mb 150" in refused.json()["error"]["message"]
+        assert "even with every unpinned model unloaded" in refused.json()["error"]["message"]
         assert statuses(client)["smollm2"] == "unloaded"
         assert chat(client, "tiny").status_code == 200
+        # its footprint known now, a load that can never fit unloads nothing for it (tiny once went)
+        assert chat(client, "smollm2").status_code == 503
+        assert statuses(client)["smollm2"] == "unloaded" and statuses(client)["tiny"] == "loaded"
+
+
+def test_an_embedding_context_made_past_models_mb_unloads_an_idle_model(models_dir: Path) -> None:
+    """A chat model's first /v1/embeddings request makes an embedding context its load did not make
+    room for; within the reaper's second, idle models go until the loaded ones fit --models-mb again
+    (they once stayed: 359 MiB held under a 240 MiB budget)."""
+    with several(models_dir, models_mb=330) as (client, app):  # both chat models fit; with the context, one
+        for name in ("smollm2", "tiny"):
+            assert chat(client, name).status_code == 200
+        models = app.state.models
+        assert client.post("/v1/embeddings", json={"model": "smollm2", "input": "hello"}).status_code == 200
+        wait_until(lambda: not models._over_budget(), 10, "the loaded models back within --models-mb")
+        assert statuses(client)["tiny"] == "unloaded" and statuses(client)["smollm2"] == "loaded"
 
 
 def test_a_model_in_use_is_not_unloaded_to_make_room(models_dir: Path) -> None:
@@ -346,6 +369,92 @@ def test_a_request_that_can_only_fail_unloads_no_model(models_dir: Path) -> None
                                     "tiny": "unloaded"}
         assert client.post("/v1/embeddings", json={"model": "nomic-embed-text-v1.5", "input": "hi"}).status_code == 200
         assert statuses(client)["smollm2"] == "unloaded"  # a request it can serve swaps as before
+
+
+def _two_copies(tiny, folder: Path, names: tuple[str, ...] = ("a", "b")) -> Settings:
+    folder.mkdir()
+    for name in names:
+        shutil.copy(tiny("llama"), folder / f"{name}.gguf")
+    return Settings(models_dir=folder, ctx_size=256, parallel=2, threads=1, prefix_state_mb=1, queue_timeout=1)
+
+
+def test_a_load_waiting_for_room_for_its_real_footprint_is_leased_by_no_request(tiny, tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that fitted by its file's size but not by its footprint once loaded waits for room
+    with its engine made; a request meanwhile waits for that load, and both get its 503. (The engine
+    was served meanwhile, then closed under the request's lease: its stream never ended.)"""
+    settings = _two_copies(tiny, tmp_path / "models")
+    rooms: list[str] = []
+    real = ModelSet._make_room
+
+    async def watched(self, model, need):  # noqa: ANN001
+        rooms.append(model.spec.name)
+        return await real(self, model, need)
+
+    monkeypatch.setattr(ModelSet, "_make_room", watched)
+
+    async def scenario() -> list:
+        models = ModelSet(settings, catalog(settings))
+        await models.start()
+        held = await models.lease("a")  # a is in use: it cannot go
+        models.budget = models.find("a").footprint + (tmp_path / "models" / "b.gguf").stat().st_size + MIB + 1
+        first = asyncio.create_task(models.lease("b"))
+        while rooms.count("b") < 2:  # b loaded, and waits for room for its footprint
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(models.lease("b"))
+        got = await asyncio.gather(first, second, return_exceptions=True)
+        b = models.find("b")
+        while b.loading is not None:  # the load goes on past its waiters' --queue-timeout, to its own
+            await asyncio.sleep(0.01)
+        state = (b.engine, b.leases, b.status.value)
+        held.release()
+        await models.close()
+        return [*got, state]
+
+    first, second, state = asyncio.run(scenario())
+    assert all(isinstance(r, APIError) and r.status == 503 for r in (first, second)), (first, second)
+    assert state == (None, 0, "unloaded")
+
+
+def test_a_stopped_engine_ends_the_requests_it_still_had(tiny) -> None:
+    """An engine stopped under a request (whatever stopped it) ends that request's stream with an
+    error; it once left the reader waiting forever."""
+    with engine(tiny("llama"), ctx_size=256, parallel=2) as e:
+        async def scenario() -> list:
+            e.async_engine.start()
+            stream = e.async_engine.open(Request(id="r", prompt=[1, 2, 3], params=SamplingParams(temperature=0.0),
+                                                 max_tokens=200, ignore_eos=True))
+            first = await stream.peek()
+            await e.async_engine.stop()
+            outputs = [output async for output in stream]
+            return [first, *outputs]
+
+        outputs = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert outputs[-1].error and outputs[-1].status == 503 and "unloaded" in outputs[-1].error
+
+
+def test_a_cache_kept_for_one_file_is_never_bound_to_another(tiny, tmp_path: Path) -> None:
+    """A model's kept cache goes back only to a context of the same file and row format: offered to
+    another file's (a file replaced as it loaded), it is released and a new one made."""
+    from kvserve.cache import create_kv_pool
+    from kvserve.llama.model import Model
+
+    first, other = tiny("llama"), tmp_path / "other.gguf"
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of the weights
+    other.write_bytes(data)
+    model = Model(first)
+    pool, cache = create_kv_pool(model, 16, n_ctx_seq=256, n_streams=2)
+    pool.close()
+    replaced = Model(other)
+    try:
+        pool, bound = create_kv_pool(replaced, 16, n_ctx_seq=256, n_streams=2, kept=cache)
+        assert bound is not cache
+        pool.close()
+        bound.release()
+    finally:
+        replaced.close()
+        model.close()
 
 
 LONG = {"messages": [{"role": "system", "content": "You are a careful assistant for a bakery. " * 12},

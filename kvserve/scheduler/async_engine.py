@@ -18,6 +18,7 @@ one cost a SmolLM2 request 3-6 ms.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, TypeVar
@@ -30,6 +31,8 @@ from kvserve.scheduler.stall_watch import StallWatch
 
 T = TypeVar("T")
 THREAD_IDLE_S = 1.0  # an engine idle this long beside another lets its thread end
+STOPPED = "the model was unloaded before the request ended"
+_log = logging.getLogger("kvserve.engine")
 
 
 class EngineStopped(RuntimeError):
@@ -126,17 +129,22 @@ class AsyncEngine:
         self._watch_task = loop.create_task(self.stall_watch.run(), name="kvserve-stall-watch")
 
     async def stop(self) -> None:
-        self.scheduler.stopping = True  # idle work in progress gives up at its next check
+        """Stop the loop (idle work gives up at its next check), let the thread finish the call it
+        runs, and end each request still open with an error: no reader waits on a stopped engine."""
+        self.scheduler.stopping = True
         for task in (self._watch_task, self._task):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+            if task is None:
+                continue
+            task.cancel()
+            await asyncio.wait([task])  # its end, however it ends (a cancellation of our caller still raises)
+            if not task.cancelled() and task.exception() is not None:
+                _log.error("the engine's task %s had failed", task.get_name(), exc_info=task.exception())
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         CORES.leave(self)
+        for request_id, stream in list(self._streams.items()):
+            stream.put(RequestOutput(request_id, [], error=STOPPED, status=503))
+        self._streams.clear()
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread, between steps."""

@@ -226,9 +226,13 @@ class ModelSet:
                     self._fail(model, "llama.cpp cannot read the file")
                 await self._make_room(model, model.footprint or _file_bytes(model))
                 engine = await self._open(model)
+                try:  # room for its real footprint, before any request can lease it
+                    await self._make_room(model, model.footprint)
+                except BaseException:
+                    await self._stop(model, engine)
+                    raise
                 model.engine, model.error, model.failed_file = engine, None, None
                 model.last_used = time.monotonic()
-                await self._make_room(model, 0)  # now that its real footprint is known
                 return engine
         finally:
             model.loading = None
@@ -246,6 +250,7 @@ class ModelSet:
     async def _open(self, model: ServedModel) -> Engine:
         name = model.spec.name
         _log.info("loading model %s from %s", name, model.spec.settings.model)
+        file = _file_id(model)
         kept = self._kept_for(model)
         try:
             tiers = self.persistence.tiers(name, model.spec.settings.page_rows)
@@ -255,48 +260,51 @@ class ModelSet:
                 kept.release()
             self._fail(model, str(exc) or type(exc).__name__)
         engine.async_engine.start()
-        model.loaded_file = _file_id(model)
+        model.loaded_file = file if _file_id(model) == file else None  # replaced as it loaded: whose rows?
         model.footprint = engine.memory_bytes
         _log.info("model %s loaded (%s, %.0f MiB)", name, engine.kind, model.footprint / MIB)
         return engine
 
     async def _make_room(self, model: ServedModel, need: int) -> None:
-        """Unload idle models, least recently used first, until `model` (needing `need` more bytes)
-        fits; while only busy unpinned models could go, wait for one to finish, up to --queue-timeout."""
+        """Unload idle models, least recently used first, until `model` (not loaded, needing `need`
+        bytes) fits; while only busy unpinned models could go, wait for one to finish, up to
+        --queue-timeout. Where it would not fit with every unpinned model gone, none is unloaded."""
         timeout = self.settings.queue_timeout
         deadline = time.monotonic() + timeout if timeout else float("inf")
         while True:
-            others = [m for m in self.loaded if m is not model]
-            count = len(others) + 1
             for m in self.loaded:  # an embedding context made since its load counts too
                 m.footprint = m.engine.memory_bytes
-            used = sum(m.footprint for m in self.loaded) + need + int(self.settings.prefix_state_mb * MIB)
-            if count <= self.settings.models_max and (self.single or used <= self.budget):
+            others = [m for m in self.loaded if m is not model]
+            if self._fits(others, need):
                 return
+            pinned = [m for m in others if m.spec.pinned]
+            if not self._fits(pinned, need):
+                raise self._no_room(model, pinned, need, "even with every unpinned model unloaded")
             idle = sorted((m for m in others if m.evictable), key=lambda m: m.last_used)
-            busy = [m for m in others if m.leases and not m.spec.pinned]
-            if not idle and busy and time.monotonic() < deadline:
+            if not idle and time.monotonic() < deadline:  # every other unpinned one is in use
                 if self.draining:
                     raise _shutting_down()
                 await asyncio.sleep(0.05)  # a lease ends with its response's last byte
                 continue
             if not idle:
-                if model.engine is not None:
-                    await self._close(model)
-                raise APIError(503, self._no_room(model, count, used, others, waited=bool(busy)), type="server_error",
-                               code="model_no_room")
+                raise self._no_room(model, others, need, "none of the others became idle within --queue-timeout")
             await self._close(idle[0])
 
-    def _no_room(self, model: ServedModel, count: int, used: int, others: list[ServedModel], waited: bool) -> str:
-        if waited:
-            none_can_go = "none of the others became idle within --queue-timeout"
+    def _used(self, loaded: list[ServedModel], need: int) -> int:
+        return sum(m.footprint for m in loaded) + need + int(self.settings.prefix_state_mb * MIB)
+
+    def _fits(self, loaded: list[ServedModel], need: int) -> bool:
+        """Whether a model needing `need` bytes fits beside `loaded`."""
+        return len(loaded) + 1 <= self.settings.models_max and (self.single or self._used(loaded, need) <= self.budget)
+
+    def _no_room(self, model: ServedModel, loaded: list[ServedModel], need: int, why: str) -> APIError:
+        if len(loaded) + 1 > self.settings.models_max:
+            says = (f"cannot load model '{model.spec.name}': {len(loaded)} models are loaded (--models-max "
+                    f"{self.settings.models_max}), {why}")
         else:
-            none_can_go = "every other one is pinned" if others else "no other model is loaded"
-        if count > self.settings.models_max:
-            return (f"cannot load model '{model.spec.name}': {count - 1} models are loaded (--models-max "
-                    f"{self.settings.models_max}) and {none_can_go}")
-        return (f"cannot load model '{model.spec.name}': it needs {used / MIB:.0f} MiB with the models loaded and "
-                f"the prefix cache, over --models-mb {self.budget / MIB:.0f}, and {none_can_go}")
+            says = (f"cannot load model '{model.spec.name}': it needs {self._used(loaded, need) / MIB:.0f} MiB with "
+                    f"the models loaded and the prefix cache, over --models-mb {self.budget / MIB:.0f}, {why}")
+        return APIError(503, says, type="server_error", code="model_no_room")
 
     async def unload(self, name: str) -> bool:
         """Unload `name`'s model now (POST /models/unload): False when it is not loaded; a 409 while in use."""
@@ -332,8 +340,11 @@ class ModelSet:
 
     async def _close(self, model: ServedModel) -> None:
         engine, model.engine = model.engine, None
-        if engine is None:
-            return
+        if engine is not None:
+            await self._stop(model, engine)
+
+    async def _stop(self, model: ServedModel, engine: Engine) -> None:
+        """Unload `engine`, `model`'s, keeping its cache for the model's next load."""
         _log.info("unloading model %s", model.spec.name)
         await engine.async_engine.stop()
         model.kept = await asyncio.to_thread(engine.close, True)
@@ -362,16 +373,33 @@ class ModelSet:
             await self._kind(model)
 
     async def _reap(self) -> None:
+        """Each second: unload the models idle past their keep-alive, then idle ones while the loaded
+        ones' footprints pass --models-mb (a chat model's embedding context, made by its first
+        /v1/embeddings request, is not in the footprint its load made room for)."""
         while True:
             await asyncio.sleep(1.0)
             for model in self.models:
                 if model.expired(time.monotonic()):
                     async with self._lock:
                         if model.expired(time.monotonic()):
-                            try:
-                                await self._close(model)
-                            except Exception:
-                                _log.exception("unloading model %s failed", model.spec.name)
+                            await self._reaped(model)
+            if self._over_budget():
+                async with self._lock:
+                    while self._over_budget() and (idle := [m for m in self.loaded if m.evictable]):
+                        await self._reaped(min(idle, key=lambda m: m.last_used))
+
+    async def _reaped(self, model: ServedModel) -> None:
+        try:
+            await self._close(model)
+        except Exception:
+            _log.exception("unloading model %s failed", model.spec.name)
+
+    def _over_budget(self) -> bool:
+        if self.single:
+            return False
+        for m in self.loaded:
+            m.footprint = m.engine.memory_bytes
+        return self._used(self.loaded, 0) > self.budget
 
     async def close(self) -> None:
         for task in (self._reaper, self._peeks):
