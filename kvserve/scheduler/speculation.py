@@ -6,7 +6,10 @@ the k guesses, each with logits, beside everyone else's tokens. `Sampling.verify
 after row with the request's own sampler chain and stops at the first sampled token that is not the
 draft's; that token is the step's correction. So the chain sees exactly the tokens it would have
 sampled without speculation (penalties, logit_bias, grammars and seeded RNG draws alike), and a
-drafter's guess can change how fast tokens come, never which.
+drafter's guess can change how fast tokens come, never which, up to llama.cpp's rounding by batch
+shape: a row verified in a batch of k + 1 tokens has logits a few hundredths of a nat from the same
+row decoded alone, so a near-tie (two tokens 0.035 nat apart, seen once in a black-box comparison
+with `off`) may go the other way, as it may between a prompt evaluated in one batch or in chunks.
 
 Choosing k (mode `auto`; a fixed drafter, `ngram`, `tree` or `draft`, drafts all it guesses up to
 `--draft-max`): llama.cpp splits a step into ubatches that take the same number of tokens from a run
