@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import engine, greedy, run_traced, serve
+from conftest import engine, greedy, run_traced, serve, served
 from equality import SMOLLM2_TOLERANCE, TOP, assert_like_alone
 from kvserve.cache import create_kv_pool
 from kvserve.scheduler.kv_manager import KvManager
@@ -262,3 +262,34 @@ def test_prefix_match_answers_for_the_adapters_the_body_names(url: str) -> None:
         assert base["page_tokens"] > 0 and matched["page_tokens"] == 0, (base, matched)
         assert served["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert httpx.post(f"{url}/v1/prefix/match", json={**long, "lora": [{"id": 5}]}, timeout=60).status_code == 400
+
+
+def test_disk_events_name_the_adapters_of_their_pages_across_a_restart(
+        smollm2: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    """A page computed under adapter A is announced with A's `lora_name` when it enters host memory,
+    when it reaches the disk, and when a restarted server announces the disk: a router keying blocks
+    by tokens and adapter (as llm-d does) files them under A each time (the disk's events once said
+    None: the base model's)."""
+    from test_kv_events_served import _caught_up
+
+    from kvserve.testing.kv_events import BlockStored, Subscriber
+
+    options = dict(lora=[f"A={adapters['A']}"], prefix_disk_dir=tmp_path / "disk", model_alias="m",
+                   kv_events="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*", **SMALL)
+    body = {"model": "A", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM * 3}, {"role": "user", "content": QUESTION}]}
+    names: list[dict[str, set]] = []
+    for run in range(2):
+        with served(smollm2, **options) as (url, app):
+            publisher = app.state.models.persistence.publisher
+            subscriber = Subscriber(publisher.endpoint, publisher.replay_endpoint, "kv@")
+            try:
+                if run == 0:
+                    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).status_code == 200
+                _caught_up(app, subscriber)
+                stored = [e for _, _, e in subscriber.events if isinstance(e, BlockStored)]
+                names.append({medium: {e.lora_name for e in stored if e.medium == medium} for medium in ("cpu", "disk")})
+            finally:
+                subscriber.close()
+    assert names[0] == {"cpu": {"A*1.0"}, "disk": {"A*1.0"}}, names
+    assert names[1] == {"cpu": set(), "disk": {"A*1.0"}}, names

@@ -54,6 +54,7 @@ from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
+from kvserve.cache.page_events import page_tag
 from kvserve.cache.page_key import page_key, row_format
 from kvserve.cache.page_tree import PageNode, PageTree
 from kvserve.cache.prefix_cache import PrefixCache
@@ -544,7 +545,7 @@ class PageCache(PrefixCache):
             page_tokens = tuple(tokens[page.start : page.end])
             child = page_key(key, page_tokens)
             disk.put(child, key, seed, page_tokens, lambda page=page: self.rows.page_bytes(page),
-                     tag=self.tiers.tag, nbytes=page.nbytes)
+                     tag=self._tag(namespace), nbytes=page.nbytes)
             key = child
 
     def _write_behind(self, node: PageNode, page: KvPage, replace: bool = False) -> None:
@@ -555,7 +556,10 @@ class PageCache(PrefixCache):
             return
         seed = self.tree.root(node.namespace).key
         disk.put(node.key, node.parent.key, seed, node.tokens, lambda: self.rows.page_bytes(page),
-                 tag=self.tiers.tag, replace=replace, nbytes=page.nbytes, held=True)  # till `_left_host`
+                 tag=self._tag(node.namespace), replace=replace, nbytes=page.nbytes, held=True)  # till `_left_host`
+
+    def _tag(self, namespace: str) -> str:
+        return page_tag(self.tiers.tag, self.tiers.lora_of(namespace))
 
     # -- locks ----------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from kvserve.cache.disk_store import MAX_TAG_BYTES
 from kvserve.cache.page_tree import PageNode
 
 if TYPE_CHECKING:
@@ -24,6 +25,20 @@ if TYPE_CHECKING:
     from kvserve.cache.kv_events import KvEventPublisher
 
 HOST, DISK = "cpu", "disk"
+_LORA = "\x1f"  # in a page file's tag, between its model's name and its adapter set
+
+
+def page_tag(model: str, lora: str | None) -> str:
+    """The tag a page file carries: its model's name, then its adapter set where it has one (and
+    both fit a tag), so the disk's events name the adapters after a restart too."""
+    tag = f"{model}{_LORA}{lora}" if lora else model
+    return tag if len(tag.encode()) <= MAX_TAG_BYTES else model
+
+
+def tag_parts(tag: str) -> tuple[str, str | None]:
+    """A page file's model and adapter set (None: the base model), from its tag."""
+    model, _, lora = tag.partition(_LORA)
+    return model, lora or None
 
 
 @dataclass(frozen=True)
@@ -62,12 +77,13 @@ def disk_listeners(publisher: "KvEventPublisher") -> tuple[Callable[["DiskEntry"
         if entry.tag.endswith("#state"):
             return
         parent = None if entry.parent == entry.seed else entry.parent
-        publisher.stored(entry.tag, [entry.key], parent, list(entry.tokens), len(entry.tokens), None, DISK)
+        model, lora = tag_parts(entry.tag)
+        publisher.stored(model, [entry.key], parent, list(entry.tokens), len(entry.tokens), lora, DISK)
 
     def on_removed(entry: "DiskEntry") -> None:
         if entry.tag.endswith("#state"):
             return
-        publisher.removed(entry.tag, [entry.key], DISK)
+        publisher.removed(tag_parts(entry.tag)[0], [entry.key], DISK)
 
     return on_stored, on_removed
 
@@ -78,7 +94,8 @@ def announce_start(publisher: "KvEventPublisher", store: "DiskStore | None", mod
     memory died with it unannounced (a crash announces nothing); then every page the disk holds,
     parents before children (`entries`' order)."""
     entries = store.entries() if store is not None else []
-    for model in sorted(set(models) | {e.tag for e in entries if e.tag and not e.tag.endswith("#state")}):
+    on_disk = {tag_parts(e.tag)[0] for e in entries if e.tag and not e.tag.endswith("#state")}
+    for model in sorted(set(models) | on_disk):
         publisher.cleared(model)
     if store is not None and store.on_stored is not None:
         for entry in entries:

@@ -6,7 +6,7 @@ for its first restore from disk."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -22,4 +22,5 @@ class Tiers:
     disk: "DiskStore | None" = None
     events: "ModelEvents | None" = None
     tag: str = ""  # the model's name, written into each of its page files
+    lora_of: Callable[[str], "str | None"] = lambda namespace: None  # a namespace's adapter set (its files' tags)
     scratch: "Future[np.ndarray] | None" = None  # `seq_state.mapped` for the longest run of its pages on disk

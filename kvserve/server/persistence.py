@@ -62,7 +62,7 @@ class Persistence:
         scratch = None
         if self.disk is not None and (nbytes := self.disk.run_bytes(model)):
             scratch = self._mapping.submit(mapped, nbytes)
-        return Tiers(disk=self.disk, events=events, tag=model, scratch=scratch)
+        return Tiers(disk=self.disk, events=events, tag=model, scratch=scratch, lora_of=adapters_of)
 
     def close(self) -> None:
         self._mapping.shutdown(wait=False, cancel_futures=True)
