@@ -258,6 +258,17 @@ class ServerSettings(BaseModel):
             self.prefix_state_mb = alias
         return self
 
+    @model_validator(mode="after")
+    def _keys_are_keys(self) -> "ServerSettings":
+        """A key flag that gives no key would leave every route open: an operator who asked for keys
+        gets them, or no server."""
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty: every route would be open; give a key, or leave the flag out")
+        if self.api_key_file is not None and not self._file_keys():
+            raise ValueError(f"--api-key-file {self.api_key_file} holds no key (only blank and '#' lines): "
+                             "every route would be open")
+        return self
+
     @property
     def many_models(self) -> bool:
         """Models come from `--models` or `--models-dir` (a request's model name picks one), not `--model` alone."""
@@ -265,11 +276,13 @@ class ServerSettings(BaseModel):
 
     def api_keys(self) -> list[str]:
         """Every accepted key: --api-key and the lines of --api-key-file. Empty: no auth."""
-        keys = [self.api_key] if self.api_key else []
-        if self.api_key_file is not None:
-            lines = (line.strip() for line in self.api_key_file.read_text().splitlines())
-            keys += [line for line in lines if line and not line.startswith("#")]
-        return keys
+        return ([self.api_key] if self.api_key else []) + self._file_keys()
+
+    def _file_keys(self) -> list[str]:
+        if self.api_key_file is None:
+            return []
+        lines = (line.strip() for line in self.api_key_file.read_text().splitlines())
+        return [line for line in lines if line and not line.startswith("#")]
 
 
 class Settings(BaseSettings, ServerSettings, ModelSettings):

@@ -11,7 +11,8 @@ from conftest import serve
 
 def test_bad_or_missing_key_is_an_openai_401_and_health_stays_open(tiny) -> None:
     with serve(tiny("llama"), api_key="s3cret") as url:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer"}):
             response = httpx.get(f"{url}/v1/models", headers=headers)
             assert response.status_code == 401
             error = response.json()["error"]
@@ -20,6 +21,8 @@ def test_bad_or_missing_key_is_an_openai_401_and_health_stays_open(tiny) -> None
         assert httpx.post(f"{url}/v1/prefix/match", json={"prompt": "x"}).status_code == 401
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/metrics").status_code == 200
+        for scheme in ("bearer", "BEARER"):  # the scheme's case is free (RFC 7235)
+            assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"{scheme} s3cret"}).status_code == 200
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret")
         assert good.completions.create(model="m", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):

@@ -20,12 +20,20 @@ from kvserve.testing import free_port, kvserve_command
     (["--kv-events", "ipc:///tmp/kv", "--kv-events-replay", "ipc:///tmp/kv"], "--kv-events-replay: 'ipc:///tmp/kv' is"),
     (["--kv-events", "garbage"], "--kv-events 'garbage': cannot bind: Invalid argument"),
     (["--kv-events", "ipc:///nonexistent/dir/sock"], "--kv-events 'ipc:///nonexistent/dir/sock': cannot bind"),
+    (["--api-key", " "], "--api-key is empty"),  # every route open, where the operator asked for a key
 ])
 def test_bad_settings_exit_2_with_one_line(args: list[str], says: str) -> None:
     done = subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in done.stderr
+
+
+def test_a_key_file_without_a_key_stops_the_server(tmp_path: Path) -> None:
+    """Blank and comment lines only: every route would be open, where the operator asked for keys."""
+    keys = tmp_path / "keys"
+    keys.write_text("# keys for this server, one per line\n\n   \n# (none yet)\n")
+    test_bad_settings_exit_2_with_one_line(["--api-key-file", str(keys)], "holds no key")
 
 
 def test_kv_events_addresses_with_a_port_or_a_star_are_settings() -> None:

@@ -37,7 +37,8 @@ def require_key(request: Request) -> None:
     request.state.tenant = request.state.owner = None
     if not keys.bearers:
         return
-    given = [request.headers.get("authorization", "").encode()]
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    given = [b"Bearer " + credentials.strip().encode()] if scheme.lower() == "bearer" else []  # any case (RFC 7235)
     if "x-api-key" in request.headers:
         given.append(b"Bearer " + request.headers["x-api-key"].encode())
     # Every key is compared, so the time taken tells nothing about which one (or how much) matched.
