@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import random
+import threading
 import time
 
 import httpx
@@ -374,6 +375,44 @@ def test_stopping_the_engine_ends_the_timing_it_finds(smollm2, monkeypatch) -> N
 
         asyncio.run(start_then_stop())
         assert decodes == [1] and aborted == [ABORTED], (decodes, aborted)
+
+
+def test_a_call_for_the_engine_thread_ends_the_timing_it_finds(smollm2, monkeypatch) -> None:
+    """A call queued behind an idle timing (a cache view, a router's prefix match) ends the timing
+    within the decode it finds, as a request does, and runs: it once waited for every size left to
+    time (6-7 s after a 0.5B's load)."""
+    with engine(smollm2, speculative="auto", **SMALL) as e:
+        ctx, decodes, aborted = e.pool.ctx, [], []
+        real = type(ctx).decode
+        queued = threading.Event()
+
+        def called_meanwhile(self, batch) -> None:  # the first decode goes on once the call is queued
+            decodes.append(batch.n_tokens)
+            if len(decodes) == 1:
+                assert queued.wait(10)
+            try:
+                real(self, batch)
+            except DecodeError as error:
+                aborted.append(error.code)
+                raise
+
+        monkeypatch.setattr(type(ctx), "decode", called_meanwhile)
+
+        async def scenario() -> str:
+            e.async_engine.start()
+            while not decodes:  # the engine idles a size in
+                await asyncio.sleep(0.01)
+            call = asyncio.ensure_future(e.async_engine.call(lambda: "answered"))
+            await asyncio.sleep(0.05)  # submitted
+            queued.set()
+            answer = await call
+            seen = list(decodes)
+            await e.async_engine.stop()
+            return answer, seen
+
+        answer, seen = asyncio.run(scenario())
+        # answered after the aborted decode, before any size was timed (the timing may start again after it)
+        assert answer == "answered" and len(seen) <= 2 and aborted[:1] == [ABORTED], (seen, aborted)
 
 
 def test_a_timing_waits_until_the_engine_has_served_nothing_for_a_moment(smollm2, monkeypatch) -> None:

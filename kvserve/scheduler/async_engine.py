@@ -147,10 +147,18 @@ class AsyncEngine:
         self._streams.clear()
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the engine thread, between steps."""
+        """Run `fn` on the engine thread, between steps; idle work it finds running gives up at its
+        next check (a cache view or a router's prefix match waited 6-7 s for the ubatch timing)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
-        self._last_call = self._executor.submit(fn)
+        scheduler = self.scheduler
+        scheduler.calls_submitted += 1  # this thread alone counts these, the engine's thread the others
+
+        def started() -> T:
+            scheduler.calls_started += 1
+            return fn()
+
+        self._last_call = self._executor.submit(started)
         return await asyncio.wrap_future(self._last_call)
 
     async def _wait_for_work(self) -> None:

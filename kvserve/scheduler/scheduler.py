@@ -92,6 +92,7 @@ class Scheduler:
         self.last_progress = time.monotonic()  # when a step last evaluated tokens or ended a request
         self.started = self.last_progress
         self.stopping = False  # set as the engine stops (any thread): idle work gives up
+        self.calls_submitted = self.calls_started = 0  # calls for the engine thread (`AsyncEngine.call`)
         self.snapshot = self._take_snapshot()
 
     # -- called from any thread --------------------------------------------------------------------
@@ -169,7 +170,8 @@ class Scheduler:
             self.kv.cache.settle(timeout=IDLE_WAIT)
             return
         cost = self.speculator.cost
-        interrupted = lambda: self.stopping or self.has_work()  # noqa: E731
+        # a request, a call queued behind this one (a cache view, a prefix match) or the engine stopping
+        interrupted = lambda: self.stopping or self.has_work() or self.calls_submitted > self.calls_started  # noqa: E731
         if cost.next_to_time() is None or interrupted():
             return
         quiet = lambda: not interrupted() and not self.kv.cache.pending()  # noqa: E731
