@@ -242,3 +242,16 @@ def test_matching_on_tokens_alone_fails_the_isolation_check(smollm2, monkeypatch
         mutant(monkeypatch)
         with pytest.raises(AssertionError, match="attached A's"):
             check_isolation(e, _prompt(e))
+
+
+def test_a_salt_in_a_query_string_is_not_logged(tiny, tmp_path: Path) -> None:
+    """`GET /v1/cache?cache_salt=...` shows a salt's chains; the access log keeps the path and the
+    other parameters, not the salt (it was written at INFO, for anyone who reads the logs)."""
+    from kvserve.testing import ServerProcess
+
+    log = tmp_path / "kvserve.log"
+    with ServerProcess.kvserve(log, model=tiny("llama"), threads=1, parallel=2, log_format="json") as server:
+        server.wait_healthy()
+        assert httpx.get(f"{server.url}/v1/cache?cache_salt=MYSECRETSALT&model=x", timeout=30).status_code == 200
+    text = log.read_text()
+    assert "/v1/cache?cache_salt=<redacted>&model=x" in text and "MYSECRETSALT" not in text

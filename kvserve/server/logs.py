@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import Any
@@ -16,6 +17,21 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id.get() or "-"
         return True
+
+
+class SecretQueryFilter(logging.Filter):
+    """An access line's `cache_salt` query value is not logged (under `--cache-isolation none` a salt
+    is all that keeps one caller's cached rows from another's)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) >= 3:
+            path = record.args[2]
+            if isinstance(path, str) and "cache_salt=" in path:
+                record.args = (*record.args[:2], _SALT.sub(r"\1cache_salt=<redacted>", path), *record.args[3:])
+        return True
+
+
+_SALT = re.compile(r"([?&])cache_salt=[^&#]*")
 
 
 class JsonFormatter(logging.Formatter):
@@ -41,12 +57,12 @@ def log_config(log_format: str) -> dict[str, Any]:
         if log_format == "json"
         else {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"}
     )
-    handler = {"class": "logging.StreamHandler", "formatter": "default", "filters": ["request_id"],
+    handler = {"class": "logging.StreamHandler", "formatter": "default", "filters": ["request_id", "secrets"],
                "stream": "ext://sys.stderr"}
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"request_id": {"()": RequestIdFilter}},
+        "filters": {"request_id": {"()": RequestIdFilter}, "secrets": {"()": SecretQueryFilter}},
         "formatters": {"default": formatter},
         "handlers": {"default": handler},
         "root": {"handlers": ["default"], "level": "INFO"},
