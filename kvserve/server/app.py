@@ -26,7 +26,7 @@ from kvserve.server.errors import error_responses, install_error_handlers
 from kvserve.server.generation import Answer, accepting, respond
 from kvserve.server.logs import log_config
 from kvserve.server.metrics import Metrics
-from kvserve.server.middleware import BodyLimit, ErrorBoundary, RequestId
+from kvserve.server.middleware import BodyLimit, ErrorBoundary, KeyCheck, RequestId
 from kvserve.server.responses import LogprobFormatter, Shape, collect, stream
 from kvserve.server.messages_api import routes as messages_api
 from kvserve.server.messages_api.schemas import AnthropicErrorResponse
@@ -165,10 +165,21 @@ def create_app(settings: Settings, specs: list[ModelSpec] | None = None,
         app.state.metrics.unexpected.labels(route=path)
     # The last added runs outermost: RequestId wraps the rest, so the id is set before anything logs or answers.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * 1024 * 1024))
+    app.add_middleware(KeyCheck, public=partial(_public, settings))  # before the body is read
     app.add_middleware(ErrorBoundary)
     app.add_middleware(RequestId)
     app.add_middleware(ReleaseLeases)  # outermost: a lease ends after the last byte of its response
     return app
+
+
+_PUBLIC = {"/health", "/", "/ui/cache", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+
+
+def _public(settings: Settings, path: str) -> bool:
+    """Paths that need no key: health, the playground's pages (they ask for the key), FastAPI's
+    description of the routes, and the metrics unless --metrics-need-key."""
+    return (path in _PUBLIC or path.startswith("/ui/static/")
+            or (path == "/metrics" and not settings.metrics_need_key))
 
 
 def _response_store(settings: Settings) -> ResponseStore | SqliteResponseStore:

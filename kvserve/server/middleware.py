@@ -6,9 +6,12 @@ import json
 import logging
 import re
 import uuid
-from typing import Any
+from typing import Any, Callable
 
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.server.auth import refusal
 
 from kvserve.server.errors import error_body, error_body_at
 from kvserve.server.logs import request_id
@@ -73,6 +76,24 @@ class ErrorBoundary:
                 text = f"the server failed unexpectedly; its log has the details under request id {request_id.get()}"
                 body = error_body(text, type="server_error", code="internal_error")
                 await _send_json(send, 500, error_body_at(scope["path"], 500, body))
+
+
+class KeyCheck:
+    """With keys, a request for a path that is not `public` and carries no accepted key is a 401 in
+    its API's shape before its body is read: a caller without a key makes the server read and parse
+    nothing (`require_key` on each guarded route still sets the caller's tenant)."""
+
+    def __init__(self, app: ASGIApp, public: Callable[[str], bool]) -> None:
+        self.app = app
+        self.public = public
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.public(scope["path"]):
+            keys = scope["app"].state.api_keys
+            if keys.bearers and keys.match(Headers(scope=scope)) is None:
+                body = refusal().body
+                return await _send_json(send, 401, error_body_at(scope["path"], 401, body))
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:
