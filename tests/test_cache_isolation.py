@@ -253,5 +253,8 @@ def test_a_salt_in_a_query_string_is_not_logged(tiny, tmp_path: Path) -> None:
     with ServerProcess.kvserve(log, model=tiny("llama"), threads=1, parallel=2, log_format="json") as server:
         server.wait_healthy()
         assert httpx.get(f"{server.url}/v1/cache?cache_salt=MYSECRETSALT&model=x", timeout=30).status_code == 200
+        encoded = httpx.get(f"{server.url}/v1/cache?cache%5Fsalt=ENCODEDSALT", timeout=30)  # read as cache_salt
+        assert encoded.status_code == 200
     text = log.read_text()
     assert "/v1/cache?cache_salt=<redacted>&model=x" in text and "MYSECRETSALT" not in text
+    assert "/v1/cache?cache%5Fsalt=<redacted>" in text and "ENCODEDSALT" not in text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
+from urllib.parse import unquote_plus
 from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import Any
@@ -26,12 +26,20 @@ class SecretQueryFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) >= 3:
             path = record.args[2]
-            if isinstance(path, str) and "cache_salt=" in path:
-                record.args = (*record.args[:2], _SALT.sub(r"\1cache_salt=<redacted>", path), *record.args[3:])
+            if isinstance(path, str) and "?" in path:
+                record.args = (*record.args[:2], _redacted(path), *record.args[3:])
         return True
 
 
-_SALT = re.compile(r"([?&])cache_salt=[^&#]*")
+def _redacted(path: str) -> str:
+    """`path` with the value of each query parameter that decodes to `cache_salt` (however its name
+    is encoded: the server decodes it before reading it) replaced."""
+    route, _, query = path.partition("?")
+    pairs = []
+    for pair in query.split("&"):
+        name, equals, _value = pair.partition("=")
+        pairs.append(f"{name}=<redacted>" if equals and unquote_plus(name) == "cache_salt" else pair)
+    return f"{route}?{'&'.join(pairs)}"
 
 
 class JsonFormatter(logging.Formatter):
