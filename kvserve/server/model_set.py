@@ -302,8 +302,8 @@ class ModelSet:
             says = (f"cannot load model '{model.spec.name}': {len(loaded)} models are loaded (--models-max "
                     f"{self.settings.models_max}), {why}")
         else:
-            says = (f"cannot load model '{model.spec.name}': it needs {self._used(loaded, need) / MIB:.0f} MiB with "
-                    f"the models loaded and the prefix cache, over --models-mb {self.budget / MIB:.0f}, {why}")
+            says = (f"cannot load model '{model.spec.name}': it needs {self._used(loaded, need) / MIB:.1f} MiB with "
+                    f"the models loaded and the prefix cache, over --models-mb {self.budget / MIB:g}, {why}")
         return APIError(503, says, type="server_error", code="model_no_room")
 
     async def unload(self, name: str) -> bool:
