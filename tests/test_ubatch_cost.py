@@ -415,6 +415,27 @@ def test_a_call_for_the_engine_thread_ends_the_timing_it_finds(smollm2, monkeypa
         assert answer == "answered" and len(seen) <= 2 and aborted[:1] == [ABORTED], (seen, aborted)
 
 
+def test_a_call_cancelled_before_it_ran_is_not_left_waiting(smollm2) -> None:
+    """A call whose caller leaves while it still queues (a stall watch's timed-out describe, a client
+    gone) never runs: it must not count as waiting, or every later idle timing would give up at once
+    and the engine loop would spin on it (a review found the count one high for good)."""
+    with engine(smollm2, speculative="off", **SMALL) as e:
+        scheduler = e.scheduler
+
+        async def scenario() -> tuple[int, int]:
+            busy = asyncio.ensure_future(e.async_engine.call(lambda: time.sleep(0.3)))
+            await asyncio.sleep(0.05)  # the engine thread runs it
+            queued = asyncio.ensure_future(e.async_engine.call(lambda: "never"))
+            await asyncio.sleep(0.05)
+            queued.cancel()
+            await asyncio.gather(busy, queued, return_exceptions=True)
+            await e.async_engine.call(lambda: None)
+            return scheduler.calls_submitted, scheduler.calls_started
+
+        submitted, started = asyncio.run(scenario())
+        assert submitted == started == 2, (submitted, started)
+
+
 def test_a_timing_waits_until_the_engine_has_served_nothing_for_a_moment(smollm2, monkeypatch) -> None:
     """Requests come in bursts: once one ends, no ubatch timing starts before the engine has served
     nothing for QUIET seconds (one started at once would hold the next request for its decode); the

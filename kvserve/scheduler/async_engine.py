@@ -158,8 +158,12 @@ class AsyncEngine:
             scheduler.calls_started += 1
             return fn()
 
-        self._last_call = self._executor.submit(started)
-        return await asyncio.wrap_future(self._last_call)
+        call = self._last_call = self._executor.submit(started)
+        try:
+            return await asyncio.wrap_future(call)
+        finally:
+            if call.cancelled():  # its caller left before it ran: it never will, nor count as started
+                scheduler.calls_submitted -= 1
 
     async def _wait_for_work(self) -> None:
         """Until woken; each `THREAD_IDLE_S` without work while another engine runs, let the thread end."""
