@@ -285,6 +285,9 @@ def test_run_bytes_is_the_longest_chain_of_a_models_pages(tmp_path: Path) -> Non
         assert store.flush(5)
         assert store.run_bytes("model-a") == 650 and store.run_bytes("model-b") == 900
         assert store.run_bytes("model-c") == 0
+        key, parent, tokens = page(6)  # a page computed under an adapter is its model's too
+        assert store.put(key, parent, SEED, tokens, lambda: b"f" * 1000, tag="model-c\x1fA*1.0")
+        assert store.flush(5) and store.run_bytes("model-c") == 1000 and store.run_bytes("model-c\x1fA*1.0") == 0
 
 
 # -- files that lie -------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ MAGIC = b"KVSPAGE\0"
 VERSION = 2  # 2: the checksum is XXH3-64 (a CRC-32 in 1)
 KEY_BYTES = 32
 MAX_TAG_BYTES = 255
+TAG_PARTS = "\x1f"  # in a tag, between its owner's name and what follows it (page_events: the adapters)
 SUFFIX = ".page"
 TMP_SUFFIX = ".page.tmp"
 
@@ -376,11 +377,11 @@ class DiskStore:
         return None if item is None else item.entry
 
     def run_bytes(self, tag: str) -> int:
-        """The payload bytes of the longest chain of pages tagged `tag`, from one whose parent is not
-        on disk: what restoring the longest prefix on disk reads."""
+        """The payload bytes of the longest chain of pages tagged `tag` (alone, or before `TAG_PARTS`),
+        from one whose parent is not on disk: what restoring the longest prefix on disk reads."""
         total: dict[bytes, int] = {}
         for entry in self.entries():  # parents first
-            if entry.tag == tag:
+            if entry.tag.partition(TAG_PARTS)[0] == tag:
                 total[entry.key] = total.get(entry.parent, 0) + entry.nbytes
         return max(total.values(), default=0)
 

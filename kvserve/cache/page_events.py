@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from kvserve.cache.disk_store import MAX_TAG_BYTES
+from kvserve.cache.disk_store import MAX_TAG_BYTES, TAG_PARTS
 from kvserve.cache.page_tree import PageNode
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from kvserve.cache.kv_events import KvEventPublisher
 
 HOST, DISK = "cpu", "disk"
-_LORA = "\x1f"  # in a page file's tag, between its model's name and its adapter set
+_LORA = TAG_PARTS  # in a page file's tag, between its model's name and its adapter set
 
 
 def page_tag(model: str, lora: str | None) -> str:

@@ -303,7 +303,7 @@ class ModelSet:
                     f"{self.settings.models_max}), {why}")
         else:
             says = (f"cannot load model '{model.spec.name}': it needs {self._used(loaded, need) / MIB:.1f} MiB with "
-                    f"the models loaded and the prefix cache, over --models-mb {self.budget / MIB:g}, {why}")
+                    f"the models loaded and the prefix cache, over --models-mb {self.budget / MIB:.1f}, {why}")
         return APIError(503, says, type="server_error", code="model_no_room")
 
     async def unload(self, name: str) -> bool:
