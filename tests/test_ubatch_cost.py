@@ -344,28 +344,35 @@ def test_a_request_arriving_during_a_timing_ends_the_decode_it_finds(smollm2, mo
         assert n not in cost.untimed and cost.table != UbatchCost().table
 
 
+def _first_decode_held(monkeypatch, ctx, until) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """`ctx`'s decodes recorded (each batch's tokens, each abort's code), the first one held until
+    `until()` (10 s at most): what happens meanwhile happens during that decode."""
+    decodes: list[int] = []
+    aborted: list[int] = []
+    real = type(ctx).decode
+
+    def held(self, batch) -> None:  # noqa: ANN001
+        decodes.append(batch.n_tokens)
+        deadline = time.monotonic() + 10
+        while len(decodes) == 1 and not until() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            real(self, batch)
+        except DecodeError as error:
+            aborted.append(error.code)
+            raise
+
+    monkeypatch.setattr(type(ctx), "decode", held)
+    return decodes, aborted
+
+
 def test_stopping_the_engine_ends_the_timing_it_finds(smollm2, monkeypatch) -> None:
     """An engine stopped while it idles a size in (a model unloaded to make room for another) ends
     the timing within the decode it finds, as a request does; the unload once waited for every size
     left to time, 6 s in one swap to a 0.5B. A mutation that does not tell the scheduler it stops
     times every size before the engine's thread ends."""
     with engine(smollm2, speculative="auto", **SMALL) as e:
-        ctx, decodes, aborted = e.pool.ctx, [], []
-        real = type(ctx).decode
-
-        def stopped_meanwhile(self, batch) -> None:  # the first decode goes on once stop() has begun
-            decodes.append(batch.n_tokens)
-            if len(decodes) == 1:
-                deadline = time.monotonic() + 10
-                while not e.scheduler.stopping and time.monotonic() < deadline:
-                    time.sleep(0.01)
-            try:
-                real(self, batch)
-            except DecodeError as error:
-                aborted.append(error.code)
-                raise
-
-        monkeypatch.setattr(type(ctx), "decode", stopped_meanwhile)
+        decodes, aborted = _first_decode_held(monkeypatch, e.pool.ctx, lambda: e.scheduler.stopping)
 
         async def start_then_stop() -> None:
             e.async_engine.start()
@@ -382,21 +389,8 @@ def test_a_call_for_the_engine_thread_ends_the_timing_it_finds(smollm2, monkeypa
     within the decode it finds, as a request does, and runs: it once waited for every size left to
     time (6-7 s after a 0.5B's load)."""
     with engine(smollm2, speculative="auto", **SMALL) as e:
-        ctx, decodes, aborted = e.pool.ctx, [], []
-        real = type(ctx).decode
         queued = threading.Event()
-
-        def called_meanwhile(self, batch) -> None:  # the first decode goes on once the call is queued
-            decodes.append(batch.n_tokens)
-            if len(decodes) == 1:
-                assert queued.wait(10)
-            try:
-                real(self, batch)
-            except DecodeError as error:
-                aborted.append(error.code)
-                raise
-
-        monkeypatch.setattr(type(ctx), "decode", called_meanwhile)
+        decodes, aborted = _first_decode_held(monkeypatch, e.pool.ctx, queued.is_set)
 
         async def scenario() -> str:
             e.async_engine.start()
