@@ -272,8 +272,7 @@ class ModelSet:
         timeout = self.settings.queue_timeout
         deadline = time.monotonic() + timeout if timeout else float("inf")
         while True:
-            for m in self.loaded:  # an embedding context made since its load counts too
-                m.footprint = m.engine.memory_bytes
+            self._measure()
             others = [m for m in self.loaded if m is not model]
             if self._fits(others, need):
                 return
@@ -289,6 +288,11 @@ class ModelSet:
             if not idle:
                 raise self._no_room(model, others, need, "none of the others became idle within --queue-timeout")
             await self._close(idle[0])
+
+    def _measure(self) -> None:
+        """Each loaded model's footprint as it is now: an embedding context made since its load counts too."""
+        for m in self.loaded:
+            m.footprint = m.engine.memory_bytes
 
     def _used(self, loaded: list[ServedModel], need: int) -> int:
         return sum(m.footprint for m in loaded) + need + int(self.settings.prefix_state_mb * MIB)
@@ -397,8 +401,7 @@ class ModelSet:
     def _over_budget(self) -> bool:
         if self.single:
             return False
-        for m in self.loaded:
-            m.footprint = m.engine.memory_bytes
+        self._measure()
         return self._used(self.loaded, 0) > self.budget
 
     async def close(self) -> None:
