@@ -35,6 +35,7 @@ OK = "2xx"
 REFUSED = "4xx"  # any OpenAI-shaped 4xx: a body that does not parse names no parameter
 HI = [{"role": "user", "content": "hi"}]
 SURROGATE = "\ud800"  # a lone surrogate: JSON can escape it, UTF-8 cannot carry it
+NUL = "\u0000"  # a character no token of a vocabulary spells
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,14 @@ CORPUS: dict[str, Case] = {
                                 "input[0].content"),
     "surrogate-tokenize": Case("/tokenize", {"prompt": SURROGATE}, "prompt"),
     "surrogate-pair-is-text": Case(CHAT, chat(messages=[{"role": "user", "content": "\U0001F600"}]), OK),
+    # grammars that reach a point where no token can go on: llama.cpp aborts on the token it then picks
+    "unspellable-const": Case(CHAT, {**formatted({"const": NUL}), "max_tokens": 8}, REFUSED),
+    "unspellable-in-two-choices": Case(CHAT, {**formatted({"const": f"ab{NUL}"}), "max_tokens": 8, "n": 2,
+                                              "temperature": 1}, REFUSED),
+    "unspellable-tool-argument": Case(CHAT, chat(max_tokens=60, tool_choice="required", tools=[tool("f", {
+        "type": "object", "properties": {"a": {"const": NUL}}, "required": ["a"]})]), REFUSED),
+    "unspellable-responses-format": Case("/v1/responses", {"input": "hi", "max_output_tokens": 8, "text": {
+        "format": {"type": "json_schema", "name": "x", "schema": {"const": NUL}}}}, REFUSED),
 }
 
 
@@ -244,6 +253,20 @@ def test_hostile_request(watched: tuple[ServerProcess, RssWatch], name: str) -> 
     assert error["type"] == "invalid_request_error", error
     if case.expect != REFUSED:
         assert (response.status_code, error["param"]) == (400, case.expect), error
+
+
+def test_a_grammar_with_no_way_on_ends_a_stream_with_a_400_shaped_error(
+        watched: tuple[ServerProcess, RssWatch]) -> None:
+    """Streamed, the dead end comes after the reply's first token went out: the stream ends with the
+    request's error, typed as the client's fault, then [DONE]."""
+    server, _ = watched
+    body = {**formatted({"const": f"a{NUL}"}), "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{server.url}{CHAT}", json=body, timeout=REQUEST_SECONDS) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert response.status_code == 200 and events[-1] == "[DONE]", events
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "invalid_request_error" and "no token" in error["message"], error
+    assert server.alive()
 
 
 def test_server_is_healthy_and_idle_after_the_corpus(watched: tuple[ServerProcess, RssWatch]) -> None:

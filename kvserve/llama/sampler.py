@@ -41,6 +41,14 @@ class GrammarError(ValueError):
     """llama.cpp rejected a grammar."""
 
 
+class GrammarDeadEnd(GrammarError):
+    """The grammar admits no token the model can write next (a schema that asks for a character no
+    token spells, such as a NUL): llama.cpp would abort the process on the token it then picks."""
+
+
+# llama_token_data's layout, to fill a candidates buffer from a row of logits at once
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
 # Penalties look back this far over generated tokens (llama.cpp's default window).
 _PENALTY_WINDOW = 64
 
@@ -86,6 +94,7 @@ class Sampler:
             params.grammar_trigger_patterns or params.grammar_trigger_tokens)
         self._armed = params.grammar is not None and not self._deferred  # the chain's first stage is the grammar
         self.grammar_tokens = 0  # tokens a deferred grammar was given: what its trigger search scanned
+        self._buffer: ctypes.Array | None = None  # candidates, once a grammar is sampled with
         self._chain = _new_chain()
         try:
             for stage in _stages(model, replace(params, grammar=None) if self._deferred else params):
@@ -95,14 +104,37 @@ class Sampler:
             raise
 
     def sample(self, ctx: Context, index: int) -> int:
-        """Pick the next token from the logits of batch entry `index` and remember it."""
+        """Pick the next token from the logits of batch entry `index` and remember it. GrammarDeadEnd
+        where a grammar in the chain rejects every token."""
         self._count_grammar_token()
-        return llama_cpp.llama_sampler_sample(self._chain, ctx.ptr, index)
+        if not self._armed:
+            return llama_cpp.llama_sampler_sample(self._chain, ctx.ptr, index)
+        # llama_sampler_sample's own steps, with a look at the pick before the grammar is given it
+        candidates = self._candidates(ctx.logits(index))
+        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(candidates))
+        picked = candidates.data[candidates.selected] if 0 <= candidates.selected < candidates.size else None
+        if picked is None or picked.logit == float("-inf"):
+            raise GrammarDeadEnd("the grammar admits no token this model can write next")
+        llama_cpp.llama_sampler_accept(self._chain, picked.id)
+        return picked.id
 
     def accept(self, token: int) -> None:
-        """Remember a token chosen without sampling (one the server forced), as `sample` remembers its own."""
+        """Remember a token chosen without sampling (one the server forced), as `sample` remembers its
+        own. GrammarDeadEnd where a grammar in the chain rejects it."""
+        if not self.allows([token])[0]:
+            raise GrammarDeadEnd(f"the grammar does not admit token {token}")
         self._count_grammar_token()
         llama_cpp.llama_sampler_accept(self._chain, token)
+
+    def _candidates(self, logits: np.ndarray) -> llama_cpp.llama_token_data_array:
+        """Every token with its logit, unsorted, in a buffer this chain keeps (as llama.cpp's chain does)."""
+        if self._buffer is None:
+            self._buffer = (llama_cpp.llama_token_data * len(logits))()
+        view = np.ctypeslib.as_array(self._buffer).view(_TOKEN_DATA)
+        view["id"] = np.arange(len(logits), dtype=np.int32)
+        view["logit"] = logits
+        view["p"] = 0.0
+        return llama_cpp.llama_token_data_array(self._buffer, len(logits), -1, False)
 
     def gate(self, on: bool, replay: Callable[[], list[int]]) -> None:
         """A deferred lazy grammar in the chain (`on`) or out of it. Armed, it is a fresh one that

@@ -23,7 +23,7 @@ from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.batch import Batch, ubatch_sizes
 from kvserve.llama.context import DecodeError, NoKvSlot
 from kvserve.llama.lora import LoraAdapters
-from kvserve.llama.sampler import live_samplers
+from kvserve.llama.sampler import GrammarDeadEnd, live_samplers
 from kvserve.scheduler.admission import Admission
 from kvserve.scheduler.batch_plan import BatchPlanner, Slot
 from kvserve.scheduler.config import SchedulerConfig
@@ -291,14 +291,20 @@ class Scheduler:
         """The slot's sequence has evaluated all it knows: donate a finished prompt, let waiting
         siblings fork from it, then every one of them takes its next token."""
         request, choice = slot.request, slot.choice
-        if slot.draft:
-            accepted = self.sampling.verify(request, choice, slot.logits_index, slot.draft, outputs)
-            self.kv.commit(choice, slot.n_tokens + accepted, slot.n_decoded)
-            self.speculator.record(choice.spec, slot.drafter, len(slot.draft), accepted)
-        else:
-            self.kv.donate_evaluated_prompt(request, choice)
-            for each in (choice, *self.kv.fork_waiting_siblings(request, choice)):
-                self.sampling.take_token(request, each, slot.logits_index, outputs)
+        try:
+            if slot.draft:
+                accepted = self.sampling.verify(request, choice, slot.logits_index, slot.draft, outputs)
+                self.kv.commit(choice, slot.n_tokens + accepted, slot.n_decoded)
+                self.speculator.record(choice.spec, slot.drafter, len(slot.draft), accepted)
+            else:
+                self.kv.donate_evaluated_prompt(request, choice)
+                for each in (choice, *self.kv.fork_waiting_siblings(request, choice)):
+                    self.sampling.take_token(request, each, slot.logits_index, outputs)
+        except GrammarDeadEnd as exc:
+            self.ending.end(request, FinishReason.ERROR, outputs, status=400, error=(
+                f"{exc}, {choice.n_generated} token(s) into the reply: the schema or tools ask for text "
+                "this model's vocabulary cannot spell"))
+            return
         if request.state.finished:
             self.ending.end(request, None, outputs)
 
