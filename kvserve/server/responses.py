@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from kvserve.llama.model import Model
 from kvserve.llama.sampler import TokenLogprobs
 from kvserve.scheduler.request import Delta, Request, RequestOutput, Usage
-from kvserve.server.errors import engine_error, error_body
+from kvserve.server.errors import engine_error
 from kvserve.reply import Ended, ReasoningDelta, ReplyEvent, ReplyPlan, ReplyReader
 from kvserve.tools import CallStarted, ContentDelta
 
@@ -202,7 +202,7 @@ async def stream(
     readers = [shape.reply.reader() for _ in range(shape.request.n)] if shape.chat else []
     async for output in outputs:
         if output.error is not None:
-            yield sse(error_body(output.error, type="server_error"))
+            yield sse(engine_error(output.error, output.status).body)
             break
         for delta in output.deltas:
             if readers:
