@@ -360,6 +360,31 @@ def test_echo_is_refused_rather_than_ignored(base_url: str) -> None:
     assert_openai_error(response, "echo")
 
 
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {"prompt": "def f(", "suffix": "    return x"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {"messages": HI, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"messages": HI, "grammar": 'root ::= "yes" | "no"'}, "grammar"),
+    ("/v1/chat/completions", {"messages": HI, "repetition_penalty": 1.3}, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": HI, "min_tokens": 5}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "skip_special_tokens": False}, "skip_special_tokens"),
+], ids=["suffix", "best_of", "guided_json", "grammar", "repetition_penalty", "min_tokens", "skip_special_tokens"])
+def test_other_servers_parameters_that_change_the_output_are_refused(base_url: str, route: str, body: dict,
+                                                                      param: str) -> None:
+    """vLLM's and llama-server's extensions kvserve does not serve: a 400 that says what to send
+    instead, never an answer that ignored them."""
+    error = assert_openai_error(httpx.post(f"{base_url}{route}", json=body, timeout=30), param)
+    assert "not supported" in error["message"], error
+
+
+def test_other_servers_parameters_at_their_no_op_values_are_accepted(base_url: str) -> None:
+    """Clients that send a full set of knobs at their defaults are served."""
+    body = {"messages": HI, "max_tokens": 2, "best_of": 1, "typical_p": 1.0, "repetition_penalty": 1,
+            "skip_special_tokens": True, "min_tokens": 0, "mirostat": 0, "suffix": None, "grammar": ""}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+
+
 def test_malformed_json(base_url: str) -> None:
     response = httpx.post(
         f"{base_url}/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "hi"',

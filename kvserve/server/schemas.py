@@ -7,8 +7,8 @@ import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, TypeAdapter, ValidationError, field_validator,
-    model_validator,
+    BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, TypeAdapter, ValidationError, ValidationInfo,
+    field_validator, model_validator,
 )
 from pydantic.json_schema import SkipJsonSchema
 
@@ -190,7 +190,74 @@ class LoraScale(Body):
     scale: float = Field(1.0, allow_inf_nan=False)
 
 
-class Sampling(Body):
+# Other servers' parameters that change what is generated, which kvserve does not serve: a body that
+# sets one to anything but its no-op value is refused, not answered as if it had not asked.
+# Each: the values that ask for nothing, and what to send instead.
+_UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "suffix": ((None, ""), "there is no insertion (fill-in-the-middle) mode"),
+    "best_of": ((None, 1), "send n, and choose among the choices"),
+    "min_tokens": ((None, 0), "send ignore_eos to generate up to max_tokens"),
+    "repetition_penalty": ((None, 1, 1.0), "send repeat_penalty (over the last 64 generated tokens)"),
+    "n_predict": ((None, -1), "send max_tokens"),
+    "grammar": ((None, ""), "send response_format or tools"),
+    "json_schema": ((None,), "send response_format: {type: json_schema, json_schema: {name, schema}}"),
+    "guided_json": ((None,), "send response_format: {type: json_schema, json_schema: {name, schema}}"),
+    "guided_regex": ((None,), "send response_format with a string schema and its pattern"),
+    "guided_choice": ((None,), "send response_format with an enum schema"),
+    "guided_grammar": ((None,), "send response_format or tools"),
+    "structured_outputs": ((None,), "send response_format or tools"),
+    "typical_p": ((None, 1, 1.0), "send top_p, top_k or min_p"),
+    "mirostat": ((None, 0), "send top_p, top_k or min_p"),
+    "top_n_sigma": ((None, -1, -1.0), "send top_p, top_k or min_p"),
+    "xtc_probability": ((None, 0, 0.0), "send top_p, top_k or min_p"),
+    "dry_multiplier": ((None, 0, 0.0), "send repeat_penalty"),
+    "use_beam_search": ((None, False), "there is no beam search"),
+    "stop_token_ids": ((None, []), "send stop strings"),
+    "include_stop_str_in_output": ((None, False), "a matched stop string is always left out of the text"),
+    "skip_special_tokens": ((None, True), "special tokens are always left out of the text"),
+    "prompt_logprobs": ((None, 0), "there are no prompt logprobs"),
+    "truncate_prompt_tokens": ((None,), "send a prompt that fits"),
+}
+
+
+class _Unserved(Body):
+    """Fields of `_UNSERVED`, each accepted only at its no-op value; not in the OpenAPI document,
+    which describes what is served."""
+
+    suffix: SkipJsonSchema[Any] = None
+    best_of: SkipJsonSchema[Any] = None
+    min_tokens: SkipJsonSchema[Any] = None
+    repetition_penalty: SkipJsonSchema[Any] = None
+    n_predict: SkipJsonSchema[Any] = None
+    grammar: SkipJsonSchema[Any] = None
+    json_schema: SkipJsonSchema[Any] = None
+    guided_json: SkipJsonSchema[Any] = None
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
+    structured_outputs: SkipJsonSchema[Any] = None
+    typical_p: SkipJsonSchema[Any] = None
+    mirostat: SkipJsonSchema[Any] = None
+    top_n_sigma: SkipJsonSchema[Any] = None
+    xtc_probability: SkipJsonSchema[Any] = None
+    dry_multiplier: SkipJsonSchema[Any] = None
+    use_beam_search: SkipJsonSchema[Any] = None
+    stop_token_ids: SkipJsonSchema[Any] = None
+    include_stop_str_in_output: SkipJsonSchema[Any] = None
+    skip_special_tokens: SkipJsonSchema[Any] = None
+    prompt_logprobs: SkipJsonSchema[Any] = None
+    truncate_prompt_tokens: SkipJsonSchema[Any] = None
+
+    @field_validator(*_UNSERVED)
+    @classmethod
+    def _no_op_only(cls, value: Any, info: ValidationInfo) -> None:
+        no_ops, instead = _UNSERVED[info.field_name]
+        if not any(value == no_op and type(value) is type(no_op) for no_op in no_ops):
+            raise ValueError(f"not supported by this server: {instead}")
+        return None
+
+
+class Sampling(_Unserved):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
