@@ -269,6 +269,17 @@ def test_a_grammar_with_no_way_on_ends_a_stream_with_a_400_shaped_error(
     assert server.alive()
 
 
+def test_a_grammar_with_no_way_on_fails_a_streamed_response_as_the_requests_fault(
+        watched: tuple[ServerProcess, RssWatch]) -> None:
+    server, _ = watched
+    body = {"input": "hi", "max_output_tokens": 8, "stream": True,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"const": f"a{NUL}"}}}}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=REQUEST_SECONDS) as response:
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.failed", events[-1]
+    assert events[-1]["response"]["error"]["code"] == "invalid_prompt", events[-1]
+
+
 def test_server_is_healthy_and_idle_after_the_corpus(watched: tuple[ServerProcess, RssWatch]) -> None:
     server, watch = watched
 

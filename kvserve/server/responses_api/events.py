@@ -58,7 +58,7 @@ class ResponseEvents:
     def feed(self, output: RequestOutput) -> list[dict]:
         """The events one scheduler output adds; the last output (usage or error) ends the response."""
         if output.error is not None:
-            return self._failed(output.error)
+            return self._failed(output.error, output.status)
         events: list[dict] = []
         for delta in output.deltas:
             if self._logprobs is not None:
@@ -185,7 +185,9 @@ class ResponseEvents:
         self.final = self.head.body(status, self.output, output.usage, incomplete=incomplete)
         return events + [self._event(f"response.{status}", response=self.final)]
 
-    def _failed(self, message: str) -> list[dict]:
+    def _failed(self, message: str, status: int) -> list[dict]:
+        """The response failed: the request's fault below 500 (OpenAI's `invalid_prompt`), else the server's."""
         events = self._close("incomplete")
-        self.final = self.head.body("failed", self.output, error={"code": "server_error", "message": message})
+        code = "invalid_prompt" if status < 500 else "server_error"
+        self.final = self.head.body("failed", self.output, error={"code": code, "message": message})
         return events + [self._event("response.failed", response=self.final)]
