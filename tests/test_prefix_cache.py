@@ -377,6 +377,24 @@ def test_n_choices_fork_by_copying_the_prompt_stream(tiny) -> None:
         assert e.scheduler.snapshot.live_sessions == 0
 
 
+def test_choices_that_end_as_they_fork_leave_no_copy_behind(tiny) -> None:
+    """An `n` = 2 request that ends in the step its choices fork (one token each) hands both streams
+    back at once. Later requests in those streams (one attached from pages, one continued in place)
+    still generate what they do from scratch: no copy of the fork lands on them afterwards."""
+    path = tiny("llama")
+    with engine(path, prefix_cache=False, parallel=2) as e:
+        a = _chat(path, " Apples and oranges grow in the valley orchard." * 6, e)
+        b = _chat(path, " Ships sail past the harbour lights at night." * 6, e)
+        scratch = {name: run(e, [r])[r.id] for name, r in (("a", greedy(a, max_tokens=8)), ("b", greedy(b, max_tokens=8)))}
+    with engine(path, parallel=2) as e:
+        assert run(e, [r := greedy(b, max_tokens=8)])[r.id] == scratch["b"]
+        run(e, [greedy(a, max_tokens=1, n=2)])
+        again_b, again_a = greedy(b, max_tokens=8), greedy(a, max_tokens=8)
+        assert run(e, [again_b])[again_b.id] == scratch["b"]
+        assert run(e, [again_a])[again_a.id] == scratch["a"]
+        assert again_a.state.cached_tokens > 0 and again_b.state.cached_tokens > 0
+
+
 def test_a_conversations_next_turn_continues_in_its_stream(tiny) -> None:
     """Turn 2 starts with turn 1's prompt and answer: it is placed in the stream turn 1 left, keeps
     all it holds (the answer's last token was never evaluated) and generates what it would from

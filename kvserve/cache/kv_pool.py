@@ -277,9 +277,12 @@ class StreamPool:
     # -- sessions -----------------------------------------------------------------------------------
 
     def fork(self, parent: Session, child: Session) -> None:
-        """Copy `parent`'s whole stream into `child`'s (at the next decode); the rows stay of the
-        parent's namespace. `KvManager.fork` records the tokens."""
-        self.ctx.seq_cp(parent.seq, child.seq)
+        """Copy `parent`'s rows into `child`'s stream, now; they stay of the parent's namespace.
+        `KvManager.fork` records the tokens. (llama.cpp's cross-stream `seq_cp` copies only at the
+        next decode: a request that ended first left the copy pending, to land later over whatever
+        the stream held by then.)"""
+        self.ctx.seq_rm(child.seq)
+        self.ctx.write_seq_state(child.seq, self.ctx.read_seq_state(parent.seq))
         child.namespace = parent.namespace
 
     def end_session(self, session: Session) -> None:

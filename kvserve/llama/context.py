@@ -220,11 +220,6 @@ class Context:
         """Forget positions [p0, p1) of `seq`; False when a recurrent state would be cut."""
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
-    def seq_cp(self, src: int, dst: int) -> None:
-        """Make `dst` a copy of the whole of `src`: its stream is reset, then `src`'s stream is
-        copied into it at the next decode. (A ranged copy between streams aborts the process.)"""
-        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
-
     def set_threads(self, n: int) -> None:
         """Decode with `n` threads from the next call on (the engine thread's own pool of workers)."""
         llama_cpp.llama_set_n_threads(self._ptr, n, n)
