@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
@@ -277,3 +278,34 @@ def test_failed_decode_leaves_requests_outside_the_batch_alone(tiny, monkeypatch
         assert "decode failed" in ends[doomed.id].error and ends[doomed.id].status == 500
         assert ends[bystander.id].error is None and tokens == expected
         assert e.pool.sessions == [] and e.pool.ctx.seq_pos_max(0) == -1
+
+
+def test_a_grammar_dead_end_fails_its_request_alone(tiny) -> None:
+    """An n = 2 request whose schema asks for a character no token spells: both choices reach the
+    dead end in one step. The first ends the request with a 400; its sibling's row in that step is
+    not sampled, and a request decoding beside them runs as if alone."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    from kvserve.llama.sampler import SamplingParams
+
+    with engine(tiny("llama"), parallel=4) as e:
+        prompt = e.model.tokenize("The capital of France is", add_special=True)
+        reference = greedy(prompt, max_tokens=12)
+        expected = run(e, [reference])[reference.id]
+        grammar = json_schema_to_gbnf('{"const": "ab\\u0000"}')
+        doomed = dataclasses.replace(greedy(prompt, max_tokens=8, n=2),
+                                     params=SamplingParams(temperature=0.0, grammar=grammar))
+        bystander = greedy(prompt, max_tokens=12)
+        ends: dict[str, RequestOutput] = {}
+        tokens: list[int] = []
+        for request in (bystander, doomed):
+            e.scheduler.submit(request)
+        while len(ends) < 2:
+            for output in e.scheduler.step():
+                if output.request_id == bystander.id:
+                    tokens += [t for d in output.deltas for t in d.token_ids]
+                if output.usage is not None or output.error is not None:
+                    ends[output.request_id] = output
+        assert ends[doomed.id].status == 400 and "no token" in ends[doomed.id].error, ends[doomed.id]
+        assert ends[bystander.id].error is None and tokens == expected
+        assert e.scheduler.snapshot.live_samplers == 0 and e.pool.sessions == []

@@ -260,7 +260,8 @@ class Scheduler:
                 self.kv.commit(slot.choice, slot.n_tokens)
                 self.kv.checkpoint_if_at_mark(slot.request, slot.choice)
         for slot in slots:
-            if slot.logits_index is not None:
+            # a choice ended in this step by a sibling's failure (its request ended) samples nothing
+            if slot.logits_index is not None and slot.choice.finish_reason is None:
                 self._sample(slot, outputs)
         return True
 
@@ -291,6 +292,7 @@ class Scheduler:
         """The slot's sequence has evaluated all it knows: donate a finished prompt, let waiting
         siblings fork from it, then every one of them takes its next token."""
         request, choice = slot.request, slot.choice
+        sampled = choice
         try:
             if slot.draft:
                 accepted = self.sampling.verify(request, choice, slot.logits_index, slot.draft, outputs)
@@ -298,11 +300,11 @@ class Scheduler:
                 self.speculator.record(choice.spec, slot.drafter, len(slot.draft), accepted)
             else:
                 self.kv.donate_evaluated_prompt(request, choice)
-                for each in (choice, *self.kv.fork_waiting_siblings(request, choice)):
-                    self.sampling.take_token(request, each, slot.logits_index, outputs)
+                for sampled in (choice, *self.kv.fork_waiting_siblings(request, choice)):
+                    self.sampling.take_token(request, sampled, slot.logits_index, outputs)
         except GrammarDeadEnd as exc:
             self.ending.end(request, FinishReason.ERROR, outputs, status=400, error=(
-                f"{exc}, {choice.n_generated} token(s) into the reply: the schema or tools ask for text "
+                f"{exc}, {sampled.n_generated} token(s) into the reply: the schema or tools ask for text "
                 "this model's vocabulary cannot spell"))
             return
         if request.state.finished:
