@@ -308,6 +308,19 @@ def test_concurrent_streams_equal_alone(base_url: str) -> None:
     assert steps[2] - steps[1] < (steps[1] - steps[0]) / 2, steps
 
 
+def test_a_seed_gives_n_different_choices_each_reproducible(client: openai.OpenAI) -> None:
+    """As OpenAI's API: a seed makes the answer reproducible, not its n choices identical; choice 0
+    is what n = 1 gives with that seed."""
+    def texts(n: int) -> list[str]:
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0,
+                                      seed=7, n=n)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    three = texts(3)
+    assert len(set(three)) == 3, three
+    assert texts(3) == three
+    assert texts(1) == three[:1]
+
+
 # --- errors --------------------------------------------------------------------------------------
 
 HI = [{"role": "user", "content": "hi"}]

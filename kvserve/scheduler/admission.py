@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from kvserve.cache.kv_pool import common_prefix
 from kvserve.llama.detokenizer import Detokenizer
@@ -131,10 +132,13 @@ class Admission:
 
     def _new_choice(self, request: Request, index: int) -> Choice:
         model = self.kv.model
+        params = request.params
+        if params.seed is not None and index:  # a seed per choice: n samples, each reproducible
+            params = replace(params, seed=(params.seed + index) & 0xFFFFFFFF)
         return Choice(
             index=index,
             tokens=list(request.prompt),
-            sampler=Sampler(model, request.params, defer_lazy_grammar=request.thinking is not None),
+            sampler=Sampler(model, params, defer_lazy_grammar=request.thinking is not None),
             detokenizer=Detokenizer(model, special=request.special_text),
             stop_matcher=StopMatcher(request.stop_strings),
             thinking=ThinkingWatch(request.thinking) if request.thinking is not None else None,
