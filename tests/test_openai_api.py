@@ -321,6 +321,19 @@ def test_a_seed_gives_n_different_choices_each_reproducible(client: openai.OpenA
     assert texts(1) == three[:1]
 
 
+def test_null_fields_take_their_defaults(client: openai.OpenAI) -> None:
+    """Wrappers pass unset knobs through as None, which the SDK sends as null: each is its default."""
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=None, top_p=None,
+                                       n=None, presence_penalty=None, frequency_penalty=None, logprobs=None,
+                                       stream=None)
+    assert r.choices[0].finish_reason in {"stop", "length"} and r.choices[0].logprobs is None
+    c = client.completions.create(model=MODEL, prompt="hi", max_tokens=None, temperature=None, echo=None)
+    assert c.usage.completion_tokens <= 16  # OpenAI's default max_tokens for completions
+    response = client.responses.create(model=MODEL, input="hi", max_output_tokens=3, store=None,
+                                       parallel_tool_calls=None, temperature=None)
+    assert response.status in {"completed", "incomplete"}
+
+
 # --- errors --------------------------------------------------------------------------------------
 
 HI = [{"role": "user", "content": "hi"}]

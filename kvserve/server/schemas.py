@@ -34,6 +34,17 @@ class ErrorResponse(BaseModel):
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_takes_the_default(cls, data: Any) -> Any:
+        """A field sent as null takes its default, as the OpenAI SDK's types allow (`temperature:
+        Optional[float]`) and vLLM and llama-server read it; a required field stays null (a 400)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required() or fields[key].default is None}
+
 
 def _no_bool(value: object) -> object:
     """A duration is no bool: a float field would read `true` as 1 second."""
