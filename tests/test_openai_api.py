@@ -347,6 +347,7 @@ BAD_CHAT = {
     "max_tokens-zero": ({"messages": HI, "max_tokens": 0}, "max_tokens"),
     "unknown-role": ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     "top_logprobs-21": ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "top_logprobs-without-logprobs": ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
     "n-17": ({"messages": HI, "n": 17}, "n"),
     "logit_bias-key": ({"messages": HI, "logit_bias": {"hello": 5}}, "logit_bias"),
     "logit_bias-token": ({"messages": HI, "logit_bias": {"99999999": 5}}, "logit_bias"),

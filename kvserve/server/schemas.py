@@ -361,6 +361,13 @@ class ChatCompletionRequest(Sampling):
             where = ".".join(str(part) for part in first["loc"][1:])
             raise ValueError(f"{where}: {first['msg']}" if where else first["msg"]) from None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
     @field_validator("functions", "function_call")
     @classmethod
     def _legacy_functions(cls, value: Any) -> None:

@@ -42,7 +42,7 @@ def chat_request(body: CreateResponse, history: list[InputItem]) -> ChatCompleti
         "frequency_penalty": body.frequency_penalty,
         "presence_penalty": body.presence_penalty,
         "logprobs": body.wants_logprobs,
-        "top_logprobs": body.top_logprobs,
+        "top_logprobs": body.top_logprobs if body.wants_logprobs else None,  # without include, none are returned
         "response_format": _response_format(body.text.format),
         "user": body.user,
         "cache_salt": body.cache_salt,
