@@ -309,3 +309,9 @@ def test_a_grammar_dead_end_fails_its_request_alone(tiny) -> None:
         assert ends[doomed.id].status == 400 and "no token" in ends[doomed.id].error, ends[doomed.id]
         assert ends[bystander.id].error is None and tokens == expected
         assert e.scheduler.snapshot.live_samplers == 0 and e.pool.sessions == []
+
+
+def test_a_queue_timeout_shorter_than_the_load_does_not_stop_the_server(tiny) -> None:
+    """--queue-timeout bounds how long a request waits; the load at start is no request."""
+    with served(tiny("llama"), queue_timeout=0.001) as (url, _):
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200

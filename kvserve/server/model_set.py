@@ -363,10 +363,10 @@ class ModelSet:
         for model in self.models:
             if model.spec.load_at_start:
                 try:
-                    await self.load(model.spec.name)
-                except APIError:
+                    await self._load_task(model)  # no request waits on it: --queue-timeout does not bound it
+                except APIError as exc:
                     if self.single:
-                        raise RuntimeError(model.error or "the model did not load") from None
+                        raise RuntimeError(model.error or str(exc)) from None
         self._reaper = asyncio.create_task(self._reap())
         if not self.single:
             self._peeks = asyncio.create_task(self._peek_kinds())
