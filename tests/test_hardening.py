@@ -315,3 +315,16 @@ def test_a_queue_timeout_shorter_than_the_load_does_not_stop_the_server(tiny) ->
     """--queue-timeout bounds how long a request waits; the load at start is no request."""
     with served(tiny("llama"), queue_timeout=0.001) as (url, _):
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_a_request_that_a_long_step_kept_waiting_takes_a_free_slot_rather_than_timing_out(tiny) -> None:
+    """The queue timeout ends requests no slot could take: one that arrived during a step longer
+    than the timeout, with a slot free, starts at the next step."""
+    with engine(tiny("llama"), parallel=2, queue_timeout=0.05) as e:
+        request = greedy(e.model.tokenize("The capital of France is", add_special=True), max_tokens=4)
+        e.scheduler.submit(request)
+        time.sleep(0.2)  # as if a long decode ran meanwhile
+        outputs = []
+        while e.scheduler.has_work():
+            outputs += e.scheduler.step()
+        assert [o.error for o in outputs if o.error] == [] and request.state.admitted_at is not None

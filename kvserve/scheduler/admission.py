@@ -50,7 +50,8 @@ class Admission:
             return
         now = time.monotonic()
         for request in [r for r in self.queues.waiting if r.state.admitted_at is None and now - r.arrival > limit]:
-            message = f"the request waited {limit:g}s for a slot; the server is overloaded"
+            message = (f"the request waited {now - request.arrival:.1f}s (--queue-timeout {limit:g}s) for "
+                       f"{request.state.blocked_on or 'a slot'}; the server is overloaded")
             self.ending.end(request, FinishReason.ERROR, outputs, error=message, status=503)
 
     def admit(self, outputs: StepOutputs) -> None:

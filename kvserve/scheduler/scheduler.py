@@ -199,6 +199,7 @@ class Scheduler:
         try:
             self._take_inbox(outputs)
             self.admission.admit(outputs)
+            self.admission.time_out_waiting(outputs)  # after admitting: a free slot is taken, not timed out
             slots = self.planner.plan(outputs)
             if slots:
                 self._run(slots, outputs)
@@ -231,7 +232,7 @@ class Scheduler:
         )
 
     def _take_inbox(self, outputs: StepOutputs) -> None:
-        """Queue what was submitted, end what was aborted, time out what waited too long."""
+        """Queue what was submitted, end what was aborted."""
         while self._inbox:
             self.waiting.append(self._inbox.popleft())
         while self._aborts:
@@ -240,7 +241,6 @@ class Scheduler:
                 if request.id == request_id:
                     reason = FinishReason.ERROR if error else FinishReason.ABORT
                     self.ending.end(request, reason, outputs, error=error, status=503)
-        self.admission.time_out_waiting(outputs)
 
     def _run(self, slots: list[Slot], outputs: StepOutputs) -> bool:
         """Decode the planned batch, record what it evaluated, then sample where a sequence's known
