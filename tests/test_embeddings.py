@@ -22,6 +22,7 @@ import pytest
 
 from bench import llama_server
 from conftest import serve
+from kvserve.llama.batch import Batch
 from kvserve.llama.model import Model
 from kvserve.scheduler.embeddings import Embedder, EmbedderConfig, EmbeddingFailed, EmbeddingJob, model_pooling
 from kvserve.testing import ServerProcess, free_port
@@ -140,6 +141,25 @@ def test_a_job_never_started_times_out_with_a_503(model: Model) -> None:
         assert not engine.has_work()
     finally:
         engine.close()
+
+
+def test_a_job_submitted_while_a_batch_is_planned_waits_for_the_next(model: Model, mean: Embedder,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests submit from the event loop's thread while the engine thread plans a batch (and its
+    first plan makes the context, which takes a while): the plan is not broken by it."""
+    first, second = EmbeddingJob("first", [tokens(model, TEXTS[0])]), EmbeddingJob("second", [tokens(model, TEXTS[1])])
+    add, submitted = Batch.add, []
+
+    def add_then_submit(batch: Batch, *args) -> None:
+        add(batch, *args)
+        if not submitted:
+            submitted.append(second)
+            mean.submit(second)
+    monkeypatch.setattr(Batch, "add", add_then_submit)
+    mean.submit(first)
+    while not (first.future.done() and second.future.done()):
+        mean.step()
+    assert len(first.future.result()) == len(second.future.result()) == 1
 
 
 def test_a_cancelled_job_is_dropped(model: Model, mean: Embedder) -> None:

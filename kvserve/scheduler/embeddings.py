@@ -184,7 +184,7 @@ class Embedder:
         """Fill the batch with the next inputs in job order, one sequence each; the job of each."""
         self._batch.clear()
         planned: list[EmbeddingJob] = []
-        for job in self._jobs:
+        for job in list(self._jobs):  # other threads submit meanwhile
             for tokens in job.distinct[len(job.vectors) + planned.count(job):]:
                 if len(planned) == self.ctx.n_seq_max or self._batch.n_tokens + len(tokens) > self._batch.capacity:
                     return planned
