@@ -16,7 +16,7 @@ import kvserve.scheduler.engine as engine_module
 from conftest import engine, greedy, run_traced
 from kvserve.cache import create_kv_pool
 from kvserve.scheduler.kv_manager import KvManager
-from kvserve.llama.attention_check import FlashAttnChoice
+from kvserve.llama.context import Context, ContextParams
 from kvserve.llama.kv_types import KV_TYPES
 from kvserve.llama.model import Model
 from kvserve.llama.seq_state import SeqState
@@ -97,16 +97,26 @@ def test_cache_on_equals_cache_off_under_q8_0(smollm2: Path) -> None:
         assert [outs[r.id] for r in rest] == scratch[1:]
 
 
-def test_quantized_v_without_flash_attention_is_refused(monkeypatch: pytest.MonkeyPatch, smollm2: Path) -> None:
-    """Where `auto` (the device, or the self-check) turns flash attention off, a quantized V cannot run:
-    the server says so, and why, before it starts."""
+def test_quantized_v_turns_flash_attention_on_under_auto(monkeypatch: pytest.MonkeyPatch, smollm2: Path) -> None:
+    """As llama.cpp does (`enabling flash_attn since it is required for quantized V cache`): under
+    `auto` a quantized V asks for flash attention on, the self-check only warning; the context says
+    it is on; a quantized K alone changes nothing."""
     from conftest import settings
 
-    off = FlashAttnChoice(False, "self-check failed: its few-row path disagrees")
-    monkeypatch.setattr(engine_module, "choose_flash_attn", lambda *args: off)
-    with pytest.raises(ValueError, match="--cache-type-v q8_0 needs flash attention, which is off: self-check failed"):
-        engine_module.preflight(settings(smollm2, cache_type_v="q8_0"))
+    asked: list[str] = []
+    real = engine_module.choose_flash_attn
+    monkeypatch.setattr(engine_module, "choose_flash_attn", lambda model, flash, *rest: asked.append(flash) or real(model, flash, *rest))
+    engine_module.preflight(settings(smollm2, cache_type_v="q8_0"))
     engine_module.preflight(settings(smollm2, cache_type_k="q8_0"))  # a quantized K alone needs nothing
+    assert asked == ["on"]
+    model = Model(smollm2)
+    try:
+        ctx = Context(model, ContextParams(n_ctx_seq=256, n_batch=64, n_seq_max=1, n_threads=2, flash_attn="auto",
+                                           type_k="q8_0", type_v="q8_0"))
+        assert ctx.flash_attn
+        ctx.close()
+    finally:
+        model.close()
 
 
 def test_quantized_v_with_flash_attn_off_exits_2_with_one_line() -> None:

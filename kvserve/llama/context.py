@@ -108,9 +108,9 @@ class Context:
             self._ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
         if not self._ptr:
             raise RuntimeError("llama.cpp could not create a context")
-        # Under `auto` llama.cpp decides by device and says so only in its log.
+        # Under `auto` llama.cpp decides (by device, or for a quantized V cache) and says so only in its log.
         self.flash_attn = params.flash_attn == "on" or (
-            params.flash_attn == "auto" and any("Flash Attention enabled" in line for line in said))
+            params.flash_attn == "auto" and any(_FLASH_ON.search(line) for line in said))
         # the memory of every stream, as llama.cpp allocated it (it reports it only in its log)
         self.kv_bytes = _mib_said(_BUFFER_SIZE, said)
         # and all it allocated: the KV (or recurrent state) cells, the compute and output buffers
@@ -256,6 +256,10 @@ class Context:
         read = llama_cpp.llama_state_seq_set_data_ext(self._ptr, _u8_pointer(buf), buf.size, seq, flags)
         if read != buf.size:
             raise RuntimeError(f"llama.cpp restored {read} of {buf.size} state bytes for seq {seq}")
+
+
+# llama.cpp's log lines for flash attention turned on under `auto`
+_FLASH_ON = re.compile(r"Flash Attention enabled|enabling flash_attn|flash_attn\s*=\s*enabled")
 
 
 def _u8_pointer(buf: np.ndarray) -> "ctypes._Pointer[ctypes.c_uint8]":

@@ -169,9 +169,11 @@ def kv_types(settings: ModelSettings) -> tuple[KvType, KvType]:
 
 
 def flash_attn_for(model: Model, settings: ModelSettings) -> FlashAttnChoice:
-    """Flash attention on or off (`--flash-attn` and the self-check over the served KV types).
-    Raises ValueError where a quantized V cache would need it and it is off."""
-    attention = choose_flash_attn(model, settings.flash_attn, settings.threads, kv_types(settings))
+    """Flash attention on or off (`--flash-attn` and the self-check over the served KV types). A
+    quantized V cache needs it: `auto` turns it on then, as llama.cpp does; with `off` this raises
+    ValueError."""
+    asked = "on" if is_quantized(settings.cache_type_v) and settings.flash_attn == "auto" else settings.flash_attn
+    attention = choose_flash_attn(model, asked, settings.threads, kv_types(settings))
     if is_quantized(settings.cache_type_v) and not attention.enabled:
         raise ValueError(f"--cache-type-v {settings.cache_type_v} needs flash attention, which is off: {attention.reason}")
     return attention
