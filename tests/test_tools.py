@@ -31,7 +31,7 @@ from kvserve.tools import (
     plan_tools,
     template_messages,
 )
-from kvserve.tools.grammar import tool_grammar
+from kvserve.tools.grammar import json_gbnf, tool_grammar
 from kvserve.tools.parser import ToolCallParser
 from kvserve.testing.tiny_models import TEMPLATES
 
@@ -312,6 +312,33 @@ def test_same_named_definitions_of_two_tools_stay_apart(hermes_model: Model) -> 
     assert re.search(r'^t0-Item ::= "\{" space t0-Item-n-kv', grammar.gbnf, re.M), grammar.gbnf
     assert re.search(r'^t1-Item ::= "\{" space t1-Item-m-kv', grammar.gbnf, re.M), grammar.gbnf
     Sampler(hermes_model, SamplingParams(grammar=grammar.gbnf)).close()  # llama.cpp parses it
+
+
+def _string_opened(model: Model, schema: dict) -> Sampler:
+    sampler = Sampler(model, SamplingParams(temperature=0.0, grammar=json_gbnf(schema)))
+    sampler.accept(model.tokenize('"', add_special=False)[0])
+    return sampler
+
+
+def test_a_json_string_holds_no_raw_control_character(hermes_model: Model) -> None:
+    """JSON forbids a raw newline in a string (`\\n` is how it writes one): the response_format
+    grammar does too, or a finished reply would not parse."""
+    sampler = _string_opened(hermes_model, {"type": "string"})
+    try:
+        newline, escape, letter = (hermes_model.tokenize(t, add_special=False)[0] for t in ("\n", "\\", "a"))
+        assert sampler.allows([newline, escape, letter]) == [False, True, True]
+    finally:
+        sampler.close()
+
+
+def test_a_literal_past_u_ffff_is_one_character_to_the_grammar(hermes_model: Model) -> None:
+    """An emoji in an enum: the grammar admits its UTF-8 bytes, not those of two lone surrogates."""
+    sampler = _string_opened(hermes_model, {"enum": ["\U0001F600 happy"]})
+    try:
+        first = hermes_model.tokenize("\U0001F600", add_special=False)[0]
+        assert sampler.allows([first]) == [True]
+    finally:
+        sampler.close()
 
 
 def test_schema_the_converter_cannot_express_names_the_tool(hermes_model: Model) -> None:

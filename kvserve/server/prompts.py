@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from dataclasses import dataclass, replace
 
-from llama_cpp.llama_grammar import json_schema_to_gbnf
 from pydantic import ValidationError
 
 from kvserve.cache.chat_marks import Mark, mark_messages
@@ -31,7 +29,7 @@ from kvserve.server.schemas import (
 )
 from kvserve.tools import ChatTurn, HistoryCall, ToolPlan, plan_tools, template_messages
 from kvserve.tools.formats import ToolFormat, detect_format
-from kvserve.tools.grammar import Thinking
+from kvserve.tools.grammar import Thinking, json_gbnf
 from kvserve.tools.schema_budget import check_grammar_text, check_schema
 from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, ToolError
 
@@ -221,7 +219,7 @@ def grammar_for(response_format: ResponseFormat | None) -> str | None:
     except ToolError as exc:
         raise invalid(str(exc), exc.param) from exc
     try:
-        return json_schema_to_gbnf(json.dumps(schema))
+        return json_gbnf(schema)
     except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
         raise invalid(f"unsupported json_schema: {exc}", "response_format") from exc
 

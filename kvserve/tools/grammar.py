@@ -46,6 +46,24 @@ _JSON_CHAR = re.compile(r"^char ::= .*$", re.MULTILINE)
 _STRICT_JSON_CHAR = (r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] '
                      r'[0-9a-fA-F])')
 _REGEX_SYNTAX = re.compile(r"([\\^$.*+?()\[\]{}|/])")
+# The converter writes a character past U+FFFF in a literal as JSON's surrogate pair (`\ud83d\ude00`),
+# which llama.cpp reads as two lone surrogates: garbage. GBNF spells it `\U0001f600`. (An escaped
+# backslash before a `u` is no escape: the run of backslashes before it must be even.)
+_SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})", re.IGNORECASE)
+
+
+def _fixed(gbnf: str) -> str:
+    """The converter's grammar as JSON needs it: no raw control characters in strings (the pinned
+    converter lets them through, and arguments would not parse), characters past U+FFFF whole."""
+    gbnf = _JSON_CHAR.sub(lambda _: _STRICT_JSON_CHAR, gbnf)
+    return _SURROGATE_PAIR.sub(
+        lambda m: f"{m[1]}\\U{0x10000 + ((int(m[2], 16) - 0xD800) << 10) + int(m[3], 16) - 0xDC00:08x}", gbnf)
+
+
+def json_gbnf(schema: dict[str, Any]) -> str:
+    """The grammar of JSON text that `schema` describes (response_format). The converter raises
+    plain exceptions on schemas it cannot express."""
+    return _fixed(json_schema_to_gbnf(json.dumps(schema)))
 
 
 @dataclass(frozen=True)
@@ -60,7 +78,7 @@ class ToolGrammar:
 def check_parameters(tool: FunctionTool) -> None:
     """A schema the converter cannot express is the client's error, named at the tool."""
     try:
-        json_schema_to_gbnf(json.dumps(tool.parameters))
+        json_gbnf(tool.parameters)
     except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
         raise ToolError(f"unsupported parameters schema for {tool.name}: {exc}", f"{tool.param}.parameters") from exc
 
@@ -142,7 +160,7 @@ def _converted(tools: list[FunctionTool], arguments_key: str, top: str,
                       "required": ["name", arguments_key]})
     call = (calls[0] if len(calls) == 1 else {"anyOf": calls}) if calls else None
     top = converter.visit(wrap(call), top)
-    return _JSON_CHAR.sub(lambda _: _STRICT_JSON_CHAR, converter.format_grammar()), top
+    return _fixed(converter.format_grammar()), top
 
 
 def _generic_reply(call: dict | None, required: bool, parallel: bool) -> dict:
@@ -269,7 +287,7 @@ def _harmony_grammar(tools: list[FunctionTool], required: bool, thinking: Thinki
         name = json.dumps(tool.name)
         channel_first.append(f"{name} harmony-json {arguments}")
         recipient_first.append(f'{name} "<|channel|>commentary" harmony-json {arguments}')
-    rules = _JSON_CHAR.sub(lambda _: _STRICT_JSON_CHAR, converter.format_grammar())
+    rules = _fixed(converter.format_grammar())
     call = (f'"{_H_CHANNEL_CALL}" ({" | ".join(channel_first)}) | '
             f'"{_H_RECIPIENT_CALL}" ({" | ".join(recipient_first)})')
     common = f'harmony-json ::= " "? ("<|constrain|>"? "json")? "<|message|>"\n{_WS_RULE}\n{rules}'
