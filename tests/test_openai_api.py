@@ -321,6 +321,15 @@ def test_a_seed_gives_n_different_choices_each_reproducible(client: openai.OpenA
     assert texts(1) == three[:1]
 
 
+def test_a_vanishing_temperature_is_greedy(client: openai.OpenAI) -> None:
+    """1e-38 divides logits past float's range: sampled, every token came out the vocabulary's last."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    def content(temperature: float) -> str:
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=temperature)
+        return r.choices[0].message.content
+    assert content(1e-38) == content(0)
+
+
 def test_null_fields_take_their_defaults(client: openai.OpenAI) -> None:
     """Wrappers pass unset knobs through as None, which the SDK sends as null: each is its default."""
     r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=None, top_p=None,

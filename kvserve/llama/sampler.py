@@ -34,7 +34,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Below vLLM's 1e-5 a temperature is greedy: logits divided by 1e-38 overflow to inf, and the
+        draw then always took the vocabulary's last token."""
+        return self.temperature < 1e-5
 
 
 class GrammarError(ValueError):
