@@ -148,20 +148,22 @@ def test_a_call_inside_the_thinking_is_reasoning_and_the_one_after_it_a_call() -
 
 @pytest.mark.parametrize("thinking", list(Thinking))
 def test_lazy_triggers_fire_only_after_the_thinking(thinking: Thinking) -> None:
-    """The patterns llama.cpp matches against the generated text (std::regex, ECMAScript; the
-    subset used here reads the same in Python's re): none matches while the thinking is open."""
+    """The patterns llama.cpp matches against the text the lazy grammar saw (std::regex, ECMAScript;
+    the subset used here reads the same in Python's re). The engine keeps the grammar out of the
+    chain while the reply thinks and arms it with the tokens from the close's first on, so that text
+    starts at most a token before the close: a call after it fires; an opening object that only
+    follows the close further on does not; no token trigger (it would fire inside the thinking)."""
     grammar = tool_grammar(ToolFormat.HERMES, [WEATHER], required=False, parallel=True, opening_token=7,
                            thinking=thinking)
-    assert grammar.trigger_tokens == ()  # a token would fire inside the thinking too
-    opened = "" if thinking is Thinking.OPEN else "<think>\n"
-    inside = [f"{opened}Maybe <tool_call>", f'{opened}a {{"name": "get_weather"', f"{opened}```json\n{{\"name\""]
-    after = [f"{opened}done</think>\n\n<tool_call>", f'{opened}done</think>\n<json>{{"name": "get_weather", "arg']
+    assert grammar.trigger_tokens == ()
     def fires(text: str) -> bool:
         return any(re.search(p, text) for p in grammar.trigger_patterns)
-    assert not any(fires(t) for t in inside)
-    assert all(fires(t) for t in after)
+    assert fires("</think>\n\n<tool_call>") and fires('ne</think>\n<json>{"name": "get_weather", "arg')
+    assert fires('</think>\n<json>{"name"')  # the leading variant, anchored past the close
+    assert not fires('</think>\n' + "x" * 300 + '<json>{"name"')
+    assert not fires('</think>\n<json>{"nome"')
     if thinking is Thinking.OPTIONAL:  # a reply that does not think may call at once
-        assert fires("<tool_call>") and not fires("<think>\n<tool_call>")
+        assert fires("<tool_call>") and fires('<json>{"name"') and not fires('<think>\n<json>{"name"')
 
 
 # --- detection ------------------------------------------------------------------------------------------
@@ -377,7 +379,10 @@ def test_harmony_triggers_fire_on_a_calls_header_only() -> None:
     grammar = tool_grammar(ToolFormat.HARMONY, [WEATHER], required=False, parallel=False, opening_token=None)
     def fires(text: str) -> str | None:
         for pattern in grammar.trigger_patterns:
-            found = re.fullmatch(pattern, text)  # llama.cpp matches the whole text so far
+            # as llama.cpp looks: a pattern from ^ to $ must match the whole text so far, any other
+            # is searched for in it
+            whole = pattern.startswith("^") and pattern.endswith("$")
+            found = re.fullmatch(pattern, text) if whole else re.search(pattern, text)
             if found:
                 return text[next(found.start(i) for i in range(1, found.lastindex + 1) if found.group(i)):]
         return None

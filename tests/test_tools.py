@@ -7,6 +7,8 @@ import ctypes
 import json
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import llama_cpp
@@ -339,6 +341,51 @@ def test_a_literal_past_u_ffff_is_one_character_to_the_grammar(hermes_model: Mod
         assert sampler.allows([first]) == [True]
     finally:
         sampler.close()
+
+
+_LONG_ANSWER = """
+import sys, threading
+from pathlib import Path
+from kvserve.llama.model import Model
+from kvserve.llama.sampler import Sampler, SamplingParams
+from kvserve.tools.formats import ToolFormat
+from kvserve.tools.grammar import Thinking, tool_grammar
+from kvserve.tools.spec import FunctionTool
+
+model = Model(Path(sys.argv[1]))
+tools = [FunctionTool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}})]
+answer = model.tokenize("</think>" + " " * 6000 + "#" * 6000 + "\\n" * 3000, add_special=False)
+
+def feed() -> None:
+    for fmt in ToolFormat:
+        for thinking in (None, *Thinking):
+            if fmt is ToolFormat.GENERIC:
+                continue
+            grammar = tool_grammar(fmt, tools, required=False, parallel=True, opening_token=None, thinking=thinking)
+            sampler = Sampler(model, SamplingParams(grammar=grammar.gbnf, grammar_trigger_patterns=grammar.trigger_patterns))
+            for token in answer:
+                sampler.accept(token)
+            sampler.close()
+    print("fed", len(answer))
+
+threading.stack_size(512 * 1024)  # the crash below 40,000 characters on an 8 MiB stack comes at ~2,500 here
+worker = threading.Thread(target=feed)
+worker.start()
+worker.join()
+"""
+
+
+def test_trigger_patterns_survive_a_long_answer(tiny, tmp_path: Path) -> None:
+    """llama.cpp matches each lazy pattern against all the text the grammar saw, at each token, with
+    std::regex, which recurses per character a quantifier takes: an unbounded one over the answer
+    overflowed the engine thread's stack (SIGSEGV, the server gone) on long answers. Every format's
+    patterns, with and without thinking, over 15,000 characters on a 512 KiB stack, in a process of
+    its own."""
+    script = tmp_path / "long_answer.py"
+    script.write_text(_LONG_ANSWER)
+    done = subprocess.run([sys.executable, str(script), str(tiny("llama", "hermes"))], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.startswith("fed"), (done.returncode, done.stderr[-2000:])
 
 
 def test_schema_the_converter_cannot_express_names_the_tool(hermes_model: Model) -> None:

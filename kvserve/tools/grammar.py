@@ -17,6 +17,14 @@ then at most the variant's closing tag and fence. The tag (and a fence before it
   prefix of a tool's, so that the grammar holds the name to a tool's.
 - A tag anywhere, then `{"name": "<tool>"`, the name whole. An earlier point would constrain every
   `<json>{"name"` of free text.
+llama.cpp matches each pattern against all the text the lazy grammar has seen, at every token, with
+C++'s std::regex, which recurses once per character a quantifier takes: a pattern whose `*` can run
+over the whole answer overflows the engine thread's stack once the answer passes some 40,000
+characters (a crash, not an error). So no pattern has an unbounded quantifier over text it does
+not end at: leading whitespace is at most `_WS_RUN`, the thinking's close is looked for near the
+start only, and a pattern that may match anywhere is searched for (unanchored), not reached over
+`[\s\S]*?`.
+
 A call object without a tag is not a call (`formats.ToolFormat.openings`), so no trigger fires on
 it: it stays free text. What none of the patterns catches (a token that runs past those points with
 text the pattern does not list) stays free text and is still parsed: a call is reported only if it
@@ -45,6 +53,8 @@ _WS_REGEX = "[ \\t\\n]{0,2}"
 _JSON_CHAR = re.compile(r"^char ::= .*$", re.MULTILINE)
 _STRICT_JSON_CHAR = (r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] '
                      r'[0-9a-fA-F])')
+# Whitespace a pattern lets run before a marker or an opening: bounded (see the module's doc).
+_WS_RUN = "[ \\t\\n]{0,64}"
 _REGEX_SYNTAX = re.compile(r"([\\^$.*+?()\[\]{}|/])")
 # The converter writes a character past U+FFFF in a literal as JSON's surrogate pair (`\ud83d\ude00`),
 # which llama.cpp reads as two lone surrogates: garbage. GBNF spells it `\U0001f600`. (An escaped
@@ -130,20 +140,21 @@ _THINK_RULES = {
     Thinking.OPEN: ('think-text "</think>" ws ', f"{_THINK_TEXT}\n"),
     Thinking.OPTIONAL: ('("<think>" think-text "</think>" ws)? ', f"{_THINK_TEXT}\n"),
 }
-# A lazy pattern's gate: the text before the trigger has closed its thinking (or never opened any).
-# The engine arms a lazy grammar only once the thinking closed, replaying the tokens from the close's
-# first on (`scheduler.thinking`): the text it sees may start inside the close tag's token.
+# An anchored pattern's gate: the text before the trigger has closed its thinking (or never opened
+# any). The engine arms a lazy grammar only once the thinking closed, replaying the tokens from the
+# close's first on (`scheduler.thinking`): the text it sees starts at most a token before the close.
 _GATES = {
-    Thinking.OPEN: r"^[\s\S]*?</think>",
-    Thinking.OPTIONAL: r"^(?:[ \t\n]*(?:<think>)?[\s\S]*?</think>|(?![ \t\n]*<think>))",
+    Thinking.OPEN: r"^[\s\S]{0,256}?</think>",
+    Thinking.OPTIONAL: rf"^(?:{_WS_RUN}(?:<think>)?[\s\S]{{0,256}}?</think>|(?!{_WS_RUN}<think>))",
 }
 
 
 def _after_thinking(pattern: str, thinking: Thinking) -> str:
     """`pattern`, matching only past the thinking: a pattern anchored at the reply's start is
-    anchored at the thinking's end instead; any other may match anywhere after it."""
-    gate = _GATES[thinking]
-    return gate + pattern[1:] if pattern.startswith("^") else f"{gate}[\\s\\S]*?{pattern}"
+    anchored at the thinking's end instead. Any other already is: the grammar sees no thinking
+    (the engine keeps it out of the chain until the thinking closed), and a marker cannot match
+    inside the close."""
+    return _GATES[thinking] + pattern[1:] if pattern.startswith("^") else pattern
 
 
 def _converted(tools: list[FunctionTool], arguments_key: str, top: str,
@@ -215,17 +226,17 @@ def _variant_root(call: str) -> str:
 
 
 # A Hermes variant's tag and the whitespace after it, before the call object.
-_VARIANT_TAG = f"<(?:{'|'.join(HERMES_TAGS)})>[ \\t\\n]*"
+_VARIANT_TAG = f"<(?:{'|'.join(HERMES_TAGS)})>{_WS_RUN}"
 
 
 def _leading_variant_pattern(tools: list[FunctionTool]) -> str:
     """A reply that opens with a tag (in a fence or not), then a call object from `{"name"` on,
     before its name is whole, so that the grammar also holds the name to a tool's."""
     names = "|".join(_prefixes([_literal(c) for c in tool.name]) for tool in tools)
-    fence = f"(?:{_literal(FENCE)}(?:json|xml)?\\n[ \\t\\n]*)?"
+    fence = f"(?:{_literal(FENCE)}(?:json|xml)?\\n{_WS_RUN})?"
     head = f'({_literal("{")} ?"name")'
     name = '"(?:' + names + ")"
-    return f"^[ \\t\\n]*{fence}{_VARIANT_TAG}{head}{_prefixes([' ?', ':', ' ?', name])}$"
+    return f"^{_WS_RUN}{fence}{_VARIANT_TAG}{head}{_prefixes([' ?', ':', ' ?', name])}$"
 
 
 def _variant_trigger_pattern(tools: list[FunctionTool], arguments_key: str) -> str:
@@ -243,7 +254,7 @@ def _trigger_pattern(fmt: ToolFormat) -> str:
         return f"({_literal('<tool_call>')}){_prefixes([_WS_REGEX, *open_object])}$"
     if fmt is ToolFormat.MISTRAL:
         return f"({_literal('[TOOL_CALLS]')}){_prefixes([' ?', _literal('['), ' ?', *open_object])}$"
-    return f"^[ \\t\\n]*({open_object[0]}){_prefixes(open_object[1:])}$"  # LLAMA3: a reply that opens an object
+    return f"^{_WS_RUN}({open_object[0]}){_prefixes(open_object[1:])}$"  # LLAMA3: a reply that opens an object
 
 
 def _literal(text: str) -> str:
@@ -295,6 +306,6 @@ def _harmony_grammar(tools: list[FunctionTool], required: bool, thinking: Thinki
         head = _ANALYSIS_HEAD[thinking or Thinking.OPTIONAL]
         return ToolGrammar(f"root ::= {head}({call})\n{_ANALYSIS_TEXT}\n{common}")
     names = "|".join(_prefixes([_literal(c) for c in tool.name]) for tool in tools)
-    patterns = (f"^[\\s\\S]*?({_literal(_H_CHANNEL_CALL)})(?:{names})$",
-                f"^(?:[\\s\\S]*?{_literal('<|start|>assistant')})?({_literal(_H_RECIPIENT_CALL)})(?:{names})$")
+    patterns = (f"({_literal(_H_CHANNEL_CALL)})(?:{names})$",  # searched for: anywhere
+                f"(?:^|{_literal('<|start|>assistant')})({_literal(_H_RECIPIENT_CALL)})(?:{names})$")
     return ToolGrammar(f"root ::= {call}\n{common}", patterns)
