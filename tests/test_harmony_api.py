@@ -73,6 +73,13 @@ def test_chat_the_server_closes_the_analysis_at_the_budget_and_the_model_answers
     assert chunks[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == BUDGET + 1
 
 
+def test_a_response_format_holds_the_final_message_after_the_analysis(url: str) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    message = post(url, "/v1/chat/completions", chat_body(response_format=fmt, max_tokens=60))["choices"][0]["message"]
+    assert message["reasoning_content"] and set(json.loads(message["content"])) == {"a"}, message
+
+
 def test_responses_reasoning_item_at_the_budget_then_the_answer(url: str) -> None:
     body = {"input": ASK[0]["content"], "temperature": 0, "max_output_tokens": 30, "reasoning_budget": BUDGET}
     whole = post(url, "/v1/responses", body)

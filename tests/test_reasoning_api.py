@@ -121,6 +121,17 @@ def test_messages_thinking_blocks_budget_and_disabled(url: str) -> None:
     assert bad.status_code == 400 and bad.json()["type"] == "error"
 
 
+def test_a_response_format_holds_the_answer_after_the_thinking(url: str) -> None:
+    """The JSON grammar lets the reply think first: the thinking is reasoning, the answer after the
+    close is JSON of the schema, whole, in content (under the budget's forced close too)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for budget in (BUDGET, 0):
+        message = chat(url, response_format=fmt, reasoning_budget=budget, max_tokens=60)["choices"][0]["message"]
+        assert set(json.loads(message["content"])) == {"a"}, message
+        assert bool(message.get("reasoning_content")) == (budget > 0), message
+
+
 def test_chat_template_kwargs_reach_the_template(url: str) -> None:
     """enable_thinking false: the template writes an empty, closed block, so nothing is thought."""
     body = chat(url, chat_template_kwargs={"enable_thinking": False}, reasoning_budget=-1, max_tokens=12)

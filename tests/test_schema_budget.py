@@ -241,7 +241,7 @@ def _served(model: Model, template: ChatTemplate, body: dict) -> SamplingParams:
     """The sampling a chat body gets, grammar compiled, or the APIError it is refused with."""
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
     tools = prompts.chat_tools(model, prompts.detect_format(template.source), request)
-    return prompts.chat_sampling(model, request, tools)
+    return prompts.chat_sampling(model, request, prompts.ChatPrompt([], [], tools))
 
 
 @given(schema=SCHEMAS, as_tool=st.booleans())

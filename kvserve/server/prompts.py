@@ -29,7 +29,7 @@ from kvserve.server.schemas import (
 )
 from kvserve.tools import ChatTurn, HistoryCall, ToolPlan, plan_tools, template_messages
 from kvserve.tools.formats import ToolFormat, detect_format
-from kvserve.tools.grammar import Thinking, json_gbnf
+from kvserve.tools.grammar import Thinking, json_gbnf, thinking_first
 from kvserve.tools.schema_budget import check_grammar_text, check_schema
 from kvserve.tools.spec import NO_PARAMETERS, FunctionTool, Mode, ToolChoice, ToolError
 
@@ -248,11 +248,15 @@ def sampling_params(model: Model, body: Sampling, grammar: str | None) -> Sampli
     return params
 
 
-def chat_sampling(model: Model, body: ChatCompletionRequest, tools: ToolPlan | None) -> SamplingParams:
-    """A chat's sampling: constrained by its tool grammar, or by its response_format."""
-    if tools is None:
-        return sampling_params(model, body, grammar_for(body.response_format))
-    return with_tool_grammar(model, sampling_params(model, body, None), tools)
+def chat_sampling(model: Model, body: ChatCompletionRequest, prompt: ChatPrompt) -> SamplingParams:
+    """A chat's sampling: constrained by its tool grammar, or by its response_format (after the
+    thinking, where the reply thinks)."""
+    if prompt.tools is not None:
+        return with_tool_grammar(model, sampling_params(model, body, None), prompt.tools)
+    grammar, syntax = grammar_for(body.response_format), prompt.reasoning
+    if grammar is not None and syntax is not None:
+        grammar = thinking_first(grammar, _placement(syntax), syntax.format is ReasoningFormat.HARMONY)
+    return sampling_params(model, body, grammar)
 
 
 def with_tool_grammar(model: Model, params: SamplingParams, tools: ToolPlan) -> SamplingParams:
@@ -280,7 +284,7 @@ async def chat_job(engine: Engine, body: ChatCompletionRequest, *, tenant: str |
     """The scheduler request a chat body is served as for the caller `tenant`, and how its reply is
     read (its thinking, its tool calls)."""
     prompt = await asyncio.to_thread(chat_prompt, engine.model, engine.template, body, engine.reasoning)
-    params = await asyncio.to_thread(chat_sampling, engine.model, body, prompt.tools)  # grammars: off the loop
+    params = await asyncio.to_thread(chat_sampling, engine.model, body, prompt)  # grammars: off the loop
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prediction = body.prediction.text if body.prediction is not None else ""
     predicted = await asyncio.to_thread(

@@ -157,6 +157,16 @@ def _after_thinking(pattern: str, thinking: Thinking) -> str:
     return _GATES[thinking] + pattern[1:] if pattern.startswith("^") else pattern
 
 
+def thinking_first(gbnf: str, thinking: Thinking, harmony: bool = False) -> str:
+    """A response_format grammar (`json_gbnf`) for a reply that thinks first: its thinking block
+    (harmony: its analysis message, then the final message's header), then the JSON."""
+    body = re.sub(r"^root ::= ", "json-root ::= ", gbnf, count=1, flags=re.MULTILINE)
+    if harmony:
+        return f'root ::= {_ANALYSIS_HEAD[thinking]}"<|channel|>final<|message|>" json-root\n{_ANALYSIS_TEXT}\n{body}'
+    head, rules = _THINK_RULES[thinking]
+    return f"root ::= {head}json-root\n{rules}{_WS_RULE}\n{body}"
+
+
 def _converted(tools: list[FunctionTool], arguments_key: str, top: str,
                wrap: Callable[[dict | None], dict]) -> tuple[str, str]:
     """The converter's rules for `wrap(one call object)` and the name of its top rule (`top`, or
