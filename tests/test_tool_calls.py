@@ -120,6 +120,17 @@ def test_required_is_one_valid_call(servers: dict[str, str], fmt: str) -> None:
     assert (after["tool_calls"] - before["tool_calls"], after["stop"] - before["stop"]) == (2, 0)
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+def test_required_cut_short_has_no_text(servers: dict[str, str], fmt: str) -> None:
+    """max_tokens cuts a forced call before it is certain: what came out was call syntax, never
+    the reply's text (whole and streamed)."""
+    for max_tokens in (1, 2, 3, 5):
+        whole = create(servers[fmt], tool_choice="required", max_tokens=max_tokens).choices[0]
+        assert whole.finish_reason == "length" and not whole.message.content, (max_tokens, whole.message.content)
+        content, _, reason = streamed(servers[fmt], tool_choice="required", max_tokens=max_tokens)
+        assert reason == "length" and not content, (max_tokens, content)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", ["add", "get_weather"])
 def test_named_function_is_called(servers: dict[str, str], fmt: str, name: str) -> None:

@@ -94,6 +94,10 @@ CASES = {
     ),
     "hermes-cut-before-arguments": (ToolFormat.HERMES, 'x <tool_call>{"name": "add", "argu',
                                     'x <tool_call>{"name": "add", "argu', []),
+    # after a call, what was opening another when max_tokens cut it is syntax, not text
+    "hermes-cut-second-call-before-arguments": (
+        ToolFormat.HERMES, '<tool_call>{"name": "add", "arguments": {}}</tool_call>\n<tool_call>\n{"name": "ad',
+        "", [("add", "{}")]),
     # a certain call that max_tokens cut is dropped, never reported with arguments that do not parse
     "hermes-cut-in-arguments": (ToolFormat.HERMES, 'x\n<tool_call>{"name": "add", "arguments": {"a": 1',
                                 "x", []),
@@ -176,6 +180,15 @@ def test_parser_events_do_not_depend_on_the_split(fmt: ToolFormat, text: str, co
         assert len(started) == len(calls)
         for index, (_, arguments) in enumerate(calls):
             assert "".join(e.text for e in events if isinstance(e, ArgumentsDelta) and e.index == index) == arguments
+
+
+@pytest.mark.parametrize("cut", ["<tool_c", "<tool_call>", '<tool_call>\n{"name": "ad', '<tool_call>\n{"name": "add", "argu'])
+def test_a_forced_reply_cut_short_has_no_text(cut: str) -> None:
+    """Under tool_choice required the grammar holds the reply to call syntax from its first token:
+    cut by max_tokens before a call is certain, none of it is content."""
+    parser = ToolCallParser(ToolFormat.HERMES, NAMES, forced=True)
+    events = parser.feed(cut) + parser.finish()
+    assert parser.content == "" and parser.calls == [] and not any(isinstance(e, ContentDelta) for e in events)
 
 
 def test_parser_finish_reason() -> None:

@@ -85,9 +85,11 @@ class ToolCallParser:
     events concatenate to the same content, calls and arguments.
     """
 
-    def __init__(self, fmt: ToolFormat, names: Iterable[str]) -> None:
+    def __init__(self, fmt: ToolFormat, names: Iterable[str], forced: bool = False) -> None:
+        """`forced`: the reply must call (its grammar holds it to call syntax from the start)."""
         self._fmt = fmt
         self._names = frozenset(names)
+        self._forced = forced
         self._calls: list[_Call] = []
         self._events: list[ToolEvent] = []
         self._content: list[str] = []
@@ -138,8 +140,8 @@ class ToolCallParser:
                 if not self._queue:
                     break
                 self._read_queue()
-            if self._pending and not (self._calls and self._pending.isspace()):
-                self._emit_content(self._pending)
+            if self._pending and not self._forced and not (self._calls and self._pending.isspace()):
+                self._emit_content(self._pending)  # a forced reply's is the start of its marker
             self._pending = ""
         return self._take()
 
@@ -189,9 +191,11 @@ class ToolCallParser:
         self._raw, self._held_ws, self._open = None, "", None
 
     def _ended(self) -> None:
-        """The text ended inside call syntax: a certain call is dropped; anything else held is content."""
+        """The text ended inside call syntax: a certain call is dropped; so is what a forced reply,
+        or one that already called, held (it was opening a call: syntax, not text); anything else
+        held is content."""
         held = self._held_ws + "".join(self._raw or [])
-        if self._open is None and not (self._calls and held.isspace()):
+        if self._open is None and not self._forced and not self._calls:
             self._emit_content(held)
         self._raw, self._held_ws, self._open = None, "", None
 

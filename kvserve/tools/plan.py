@@ -58,7 +58,8 @@ class ToolPlan:
         return replace(self, grammar=grammar)
 
     def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.format, (tool.name for tool in self.callable))
+        return ToolCallParser(self.format, (tool.name for tool in self.callable),
+                              forced=self.choice.mode is Mode.REQUIRED)
 
 
 def check_tools(tools: list[FunctionTool], choice: ToolChoice) -> None:
