@@ -291,3 +291,14 @@ def test_matches_llama_server(smollm2: Path, client: openai.OpenAI, tmp_path: Pa
         expected = [theirs.embeddings.create(model="m", input=text, encoding_format="float").data[0] for text in TEXTS]
     ours = client.embeddings.create(model="m", input=TEXTS, encoding_format="float").data
     assert min(cosines([np.array(d.embedding) for d in ours], [np.array(d.embedding) for d in expected])) >= REFERENCE_COSINE
+
+
+def test_an_input_longer_than_a_generation_stream_is_embedded(tiny) -> None:
+    """The embedding context is its own: --ctx-size (here 256 cells a stream) bounds generation,
+    not an input up to --embedding-batch tokens."""
+    with serve(tiny("llama"), threads=1, ctx_size=256, parallel=1) as url:
+        long = list(range(100, 500))
+        response = httpx.post(f"{url}/v1/embeddings", json={"input": long}, timeout=60)
+        assert response.status_code == 200, response.text
+        too_long = httpx.post(f"{url}/v1/embeddings", json={"input": list(range(100, 700))}, timeout=60)
+        assert too_long.status_code == 400 and "--embedding-batch" in too_long.json()["error"]["message"]

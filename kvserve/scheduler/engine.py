@@ -109,7 +109,9 @@ class Engine:
             prefill_chunk=settings.prefill_chunk or None,
         )
         embedder = Embedder(model, EmbedderConfig(
-            pooling=settings.pooling or model_pooling(model), batch_tokens=min(settings.embedding_batch, config.max_seq_len),
+            # its own context: --ctx-size (the generation streams') does not bound it, the model's does
+            pooling=settings.pooling or model_pooling(model),
+            batch_tokens=min(settings.embedding_batch, model.info.n_ctx_train or settings.embedding_batch),
             n_threads=settings.threads, queue_timeout=server.queue_timeout))
         spec = SpecConfig(SpecMode(settings.speculative), settings.draft_max)
         scheduler = Scheduler(pool, cache, config, embedder, spec, lora, draft)

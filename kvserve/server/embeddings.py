@@ -131,7 +131,7 @@ def _tokens(model: Model, item: str | list[int], param: str, max_tokens: int) ->
         raise invalid(f"{param} must not be empty", param)
     if len(tokens) > max_tokens:
         raise APIError(400, f"{param} has {len(tokens)} tokens; this server embeds at most {max_tokens} tokens "
-                            "per input (--embedding-batch)", param=param, code="context_length_exceeded")
+                            "per input (--embedding-batch, or the model's trained context where smaller)", param=param, code="context_length_exceeded")
     return tokens
 
 
