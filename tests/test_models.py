@@ -344,6 +344,13 @@ def test_embedding_model_embeds_and_refuses_to_generate(models_dir: Path) -> Non
         refused = client.post("/v1/messages", json={"model": "nomic-embed-text-v1.5", "max_tokens": 8,
                                                     "messages": [{"role": "user", "content": "Hi"}]})
         assert refused.status_code == 400 and refused.json()["type"] == "error"
+        # what renders a chat needs a chat template: refused alike (plain text is tokenized)
+        hi = [{"role": "user", "content": "Hi"}]
+        for path, body in (("/v1/messages/count_tokens", {"messages": hi}), ("/v1/chat/completions/render", {"messages": hi}),
+                           ("/v1/completions/render", {"prompt": "Hi"}), ("/tokenize", {"messages": hi})):
+            refused = client.post(path, json={**body, "model": "nomic-embed-text-v1.5"})
+            assert refused.status_code == 400 and "/v1/embeddings" in refused.text, (path, refused.text)
+        assert client.post("/tokenize", json={"model": "nomic-embed-text-v1.5", "prompt": "Hi"}).status_code == 200
         vectors = client.post("/v1/embeddings", json={"model": "nomic-embed-text-v1.5",
                                                       "input": ["search_query: colour", "search_document: red"]})
         assert vectors.status_code == 200, vectors.text

@@ -84,8 +84,10 @@ async def lora_adapters(request: Request, model: str | None = None) -> list[dict
 
 @router.post("/tokenize")
 async def tokenize(body: dict, request: Request) -> dict:
-    """vLLM's /tokenize: `{"prompt"}` or `{"messages"}`, tokenized as that completion or chat would be."""
-    engine = await engine_for(request, body.get("model") if isinstance(body.get("model"), str) else None)
+    """vLLM's /tokenize: `{"prompt"}` or `{"messages"}`, tokenized as that completion or chat would be
+    (a chat, by a model that generates)."""
+    engine = await engine_for(request, body.get("model") if isinstance(body.get("model"), str) else None,
+                              generate="messages" in body)
     tokens = await prompts.body_prompt(engine.model, engine.template, body)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_seq_len}
 
@@ -100,11 +102,11 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
 
 @router.post("/v1/chat/completions/render")
 async def render_chat(body: ChatCompletionRequest, request: Request) -> dict:
-    engine = await engine_for(request, body.model)
+    engine = await engine_for(request, body.model, generate=True)
     return {"token_ids": await prompts.prompt_tokens(engine.model, engine.template, body)}
 
 
 @router.post("/v1/completions/render")
 async def render_completion(body: CompletionRequest, request: Request) -> dict:
-    engine = await engine_for(request, body.model)
+    engine = await engine_for(request, body.model, generate=True)
     return {"token_ids": await prompts.prompt_tokens(engine.model, engine.template, body)}

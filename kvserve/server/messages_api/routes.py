@@ -60,7 +60,7 @@ async def _streamed(events: MessageEvents, outputs: Outputs) -> AsyncIterator[st
 @router.post("/v1/messages/count_tokens", responses=error_responses(400, 413, model=AnthropicErrorResponse))
 async def count_tokens(body: CountTokens, request: Request) -> dict:
     """`{"input_tokens"}`: the prompt the same body would be served with, tools included."""
-    engine = await engine_for(request, body.model, keep_alive=body.keep_alive)
+    engine = await engine_for(request, body.model, keep_alive=body.keep_alive, generate=True)
     with to_chat.in_messages_terms():
         prompt = await asyncio.to_thread(prompts.chat_prompt, engine.model, engine.template, to_chat.chat_request(body))
     return {"input_tokens": len(prompt.tokens)}
