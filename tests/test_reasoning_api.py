@@ -101,6 +101,7 @@ def test_responses_reasoning_items_and_token_count(url: str) -> None:
     follow = httpx.post(f"{url}/v1/responses", json={**body, "input": "And Rome?", "previous_response_id": whole["id"]},
                         timeout=300)
     assert follow.status_code == 200 and follow.json()["output"][0]["type"] == "reasoning"
+    assert whole["reasoning"] == {"effort": "low", "summary": None}  # the effort asked, echoed
 
 
 def test_messages_thinking_blocks_budget_and_disabled(url: str) -> None:

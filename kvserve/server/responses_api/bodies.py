@@ -44,6 +44,8 @@ class ResponseHead:
             "output": output,
             "parallel_tool_calls": r.parallel_tool_calls,
             "previous_response_id": r.previous_response_id,
+            # the effort asked (told to the template); no summary is written
+            "reasoning": {"effort": r.reasoning.effort, "summary": None} if r.reasoning is not None else None,
             "store": r.store,
             "temperature": 1.0 if r.temperature is None else r.temperature,
             "text": {"format": _format_body(r.text.format)},
