@@ -23,7 +23,7 @@ over the whole answer overflows the engine thread's stack once the answer passes
 characters (a crash, not an error). So no pattern has an unbounded quantifier over text it does
 not end at: leading whitespace is at most `_WS_RUN`, the thinking's close is looked for near the
 start only, and a pattern that may match anywhere is searched for (unanchored), not reached over
-`[\s\S]*?`.
+`[\\s\\S]*?`.
 
 A call object without a tag is not a call (`formats.ToolFormat.openings`), so no trigger fires on
 it: it stays free text. What none of the patterns catches (a token that runs past those points with
