@@ -34,6 +34,7 @@ from kvserve.tools import (
     template_messages,
 )
 from kvserve.tools.grammar import json_gbnf, tool_grammar
+from kvserve.tools.int_range import EmptyRange, integer_bounds, integer_range
 from kvserve.tools.parser import ToolCallParser
 from kvserve.testing.tiny_models import TEMPLATES
 
@@ -399,6 +400,46 @@ def test_trigger_patterns_survive_a_long_answer(tiny, tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script), str(tiny("llama", "hermes"))], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.startswith("fed"), (done.returncode, done.stderr[-2000:])
+
+
+def _as_regex(gbnf: str) -> re.Pattern:
+    """The subset of GBNF `integer_range` writes (quoted characters, classes, groups, `|`, `{m,n}`)
+    read as a Python regex."""
+    return re.compile(re.sub(r'"(.)"', lambda m: re.escape(m[1]), gbnf).replace(" ", ""))
+
+
+@pytest.mark.parametrize("low,high", [(5, 10), (0, 0), (-5, 5), (-10, -3), (None, 7), (3, None), (None, -4),
+                                      (-4, None), (0, 999), (1, 1000), (17, 4321), (-1234, -56), (99, 101)]
+                         + [tuple(sorted(random.Random(i).sample(range(-3000, 3000), 2))) for i in range(20)])
+def test_an_integer_range_is_exactly_its_integers(low: int | None, high: int | None) -> None:
+    pattern = _as_regex(integer_range(low, high))
+    for n in range(-3500, 3500):
+        assert bool(pattern.fullmatch(str(n))) == ((low is None or n >= low) and (high is None or n <= high)), n
+    assert not any(pattern.fullmatch(text) for text in ("-0", "007", "00", "-", "", "+5", "5.0"))
+
+
+def test_integer_bounds_read_every_draft() -> None:
+    assert integer_bounds({"type": "integer"}) is None
+    assert integer_bounds({"minimum": 1.5, "maximum": 7.9}) == (2, 7)
+    assert integer_bounds({"exclusiveMinimum": 0, "exclusiveMaximum": 10}) == (1, 9)
+    assert integer_bounds({"minimum": 0, "exclusiveMinimum": True, "maximum": 5, "exclusiveMaximum": True}) == (1, 4)
+    assert integer_bounds({"minimum": 0, "exclusiveMinimum": 3}) == (4, None)  # the tighter
+    assert integer_bounds({"maximum": 1e300}) == (None, None)
+    with pytest.raises(EmptyRange):
+        integer_bounds({"minimum": 5, "maximum": 2})
+
+
+def test_an_integers_bounds_hold_in_llama_cpp(hermes_model: Model) -> None:
+    """minimum 5, maximum 10: a first digit of 5-9, or a 1 that only a 0 may follow, then nothing."""
+    sampler = Sampler(hermes_model, SamplingParams(temperature=0.0, grammar=json_gbnf(
+        {"type": "integer", "minimum": 5, "maximum": 10})))
+    digit = {d: hermes_model.tokenize(d, add_special=False)[0] for d in "0123456789"}
+    try:
+        assert sampler.allows(list(digit.values())) == [d in "156789" for d in digit]
+        sampler.accept(digit["1"])
+        assert sampler.allows([digit["0"], digit["1"], digit["5"]]) == [True, False, False]
+    finally:
+        sampler.close()
 
 
 def test_schema_the_converter_cannot_express_names_the_tool(hermes_model: Model) -> None:

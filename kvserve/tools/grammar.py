@@ -40,9 +40,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from llama_cpp.llama_grammar import SchemaConverter, json_schema_to_gbnf
+from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
 from kvserve.tools.formats import FENCE, HERMES_TAGS, ToolFormat
+from kvserve.tools.int_range import integer_bounds, integer_range
 from kvserve.tools.spec import FunctionTool, ToolError
 
 # Whitespace the wrappers allow around a call, bounded so a weak model cannot stall in it.
@@ -70,10 +71,26 @@ def _fixed(gbnf: str) -> str:
         lambda m: f"{m[1]}\\U{0x10000 + ((int(m[2], 16) - 0xD800) << 10) + int(m[3], 16) - 0xDC00:08x}", gbnf)
 
 
+class _Converter(SchemaConverter):
+    """The pinned converter, with an integer's minimum and maximum (which it ignores) held to."""
+
+    def __init__(self, prop_order: dict[str, int] | None = None) -> None:
+        super().__init__(prop_order=prop_order or {}, allow_fetch=False, dotall=False, raw_pattern=False)
+
+    def visit(self, schema: Any, name: str) -> str:
+        bounds = integer_bounds(schema) if isinstance(schema, dict) and schema.get("type") == "integer" else None
+        if bounds is None:
+            return super().visit(schema, name)
+        rule_name = name + "-" if name in RESERVED_NAMES else name or "root"  # as the converter names it
+        return self._add_rule(rule_name, f"({integer_range(*bounds)}) space")
+
+
 def json_gbnf(schema: dict[str, Any]) -> str:
     """The grammar of JSON text that `schema` describes (response_format). The converter raises
-    plain exceptions on schemas it cannot express."""
-    return _fixed(json_schema_to_gbnf(json.dumps(schema)))
+    plain exceptions on schemas it cannot express (EmptyRange: no integer between the bounds)."""
+    converter = _Converter()
+    converter.visit(converter.resolve_refs(copy.deepcopy(schema), "stdin"), "")  # it rewrites $refs in place
+    return _fixed(converter.format_grammar())
 
 
 @dataclass(frozen=True)
@@ -171,8 +188,7 @@ def _converted(tools: list[FunctionTool], arguments_key: str, top: str,
                wrap: Callable[[dict | None], dict]) -> tuple[str, str]:
     """The converter's rules for `wrap(one call object)` and the name of its top rule (`top`, or
     a variant of it)."""
-    converter = SchemaConverter(prop_order={"name": 0, arguments_key: 1}, allow_fetch=False, dotall=False,
-                                raw_pattern=False)
+    converter = _Converter(prop_order={"name": 0, arguments_key: 1})
     calls = []
     for i, tool in enumerate(tools):
         # Each tool's $refs point into its own schema: resolve them there, under names of its own.
@@ -300,7 +316,7 @@ def _harmony_grammar(tools: list[FunctionTool], required: bool, thinking: Thinki
     the reply may write one; None: as OPTIONAL, the prompt ending in `<|start|>assistant`). Else
     lazy, from the recipient prefix of a call's header."""
     assert tools, "a format with call syntax needs a tool to call"
-    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter = _Converter()
     channel_first, recipient_first = [], []
     for i, tool in enumerate(tools):
         parameters = converter.resolve_refs(_namespaced(tool.parameters, f"t{i}-"), f"tool{i}")
