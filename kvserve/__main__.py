@@ -28,9 +28,14 @@ def main(argv: list[str] | None = None) -> None:
     from kvserve.scheduler.engine import preflight
     from kvserve.server.app import serve
     from kvserve.cache.disk_store import DiskLocked
-    from kvserve.server.catalog import catalog
+    from kvserve.server.catalog import catalog, keep_alive_seconds
     from kvserve.server.persistence import Persistence
 
+    try:
+        keep_alive_seconds(settings.keep_alive)
+    except ValueError as exc:
+        print(f"kvserve: --keep-alive: {str(exc).removeprefix('keep_alive: ')}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         specs = catalog(settings)
         if not settings.many_models:

@@ -85,7 +85,7 @@ class ModelSettings(BaseModel):
     prefill_chunk: int = Field(
         0, ge=0, description="most prompt tokens in a step while streams decode (0: the whole batch); bounds their token latency"
     )
-    threads: int = Field(os.cpu_count() or 1, ge=1, description="CPU threads for llama.cpp")
+    threads: int = Field(os.cpu_count() or 1, ge=1, le=512, description="CPU threads for llama.cpp")
     flash_attn: Literal["on", "off", "auto"] = Field(
         "auto", description="flash attention: auto is on where llama.cpp picks it and a start-up check passes; off is plain attention, slower, and still rounds by batch shape"
     )
@@ -97,7 +97,7 @@ class ModelSettings(BaseModel):
         [], description="a LoRA adapter as NAME=PATH (repeat for more): requests pick it by \"model\": NAME, "
         "or by llama-server's \"lora\": [{\"id\", \"scale\"}] (ids in the order given)"
     )
-    lora_scale: float = Field(1.0, description="the scale of an adapter a request picks by its model name")
+    lora_scale: float = Field(1.0, allow_inf_nan=False, description="the scale of an adapter a request picks by its model name")
     pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="how /v1/embeddings pools a text's tokens (default: the model's own; mean where it declares none)"
     )
@@ -168,7 +168,7 @@ class ModelSettings(BaseModel):
 class ServerSettings(BaseModel):
     """What every model of the server shares: the listener, keys, queues, host memory, models loaded at once."""
 
-    host: str = Field("127.0.0.1", description="address to listen on")
+    host: str = Field("127.0.0.1", min_length=1, description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
     models_dir: Path | None = Field(
         None, description="serve every *.gguf in this folder, named by its file name without .gguf, loaded on demand"
@@ -179,7 +179,7 @@ class ServerSettings(BaseModel):
     )
     models_max: int = Field(4, ge=1, le=64, description="most models loaded at once; loading one more unloads the least recently used idle one")
     models_mb: float = Field(
-        0, ge=0, description="memory every loaded model may take together (weights, KV cells, compute buffers, "
+        0, ge=0, allow_inf_nan=False, description="memory every loaded model may take together (weights, KV cells, compute buffers, "
         "plus the prefix cache), in MiB (0: what the machine holds, less 1 GiB)"
     )
     keep_alive: str = Field(
@@ -188,16 +188,16 @@ class ServerSettings(BaseModel):
     )
     prefix_state_mb: float = Field(
         default_budget_mb(), ge=0,
-        description="the prefix cache's one budget: host memory for cached pages and checkpoints, in MiB "
+        allow_inf_nan=False, description="the prefix cache's one budget: host memory for cached pages and checkpoints, in MiB "
         "(default: a quarter of RAM), shared by the loaded models",
     )
-    prefix_cache_mb: float | None = Field(None, ge=0, description="alias of --prefix-state-mb")
+    prefix_cache_mb: float | None = Field(None, ge=0, allow_inf_nan=False, description="alias of --prefix-state-mb")
     prefix_disk_dir: Path | None = Field(
         None, description="a folder for what outlives the process: prefix-cache pages on disk (written behind, "
         "found again after a restart or a crash) and the kept responses (SQLite); one server per folder",
     )
     prefix_disk_mb: float = Field(
-        0.0, ge=0, description="the disk tier's budget, in MiB (0: a quarter of the folder's free space at start)"
+        0.0, ge=0, allow_inf_nan=False, description="the disk tier's budget, in MiB (0: a quarter of the folder's free space at start)"
     )
     kv_events: str | None = Field(
         None, description="publish KV cache events for routers, in vLLM's format, on this ZMQ PUB address (tcp://*:5557)"
@@ -209,8 +209,8 @@ class ServerSettings(BaseModel):
         "kv@{pod}@{model}", description="the events' topic; {pod} is the host name (or $POD_NAME), {model} the model's name"
     )
     response_store_count: int = Field(1024, ge=0, description="most responses kept for previous_response_id (0: none)")
-    response_store_mb: float = Field(128.0, ge=0, description="byte budget of kept responses, in MiB")
-    response_store_ttl: float = Field(3600.0, gt=0, description="seconds a kept response stays retrievable")
+    response_store_mb: float = Field(128.0, ge=0, allow_inf_nan=False, description="byte budget of kept responses, in MiB")
+    response_store_ttl: float = Field(3600.0, gt=0, allow_inf_nan=False, description="seconds a kept response stays retrievable")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
     api_key_file: Path | None = Field(None, description="file of accepted keys, one per line ('#' comments)")
     metrics_need_key: bool = Field(False, description="/metrics needs the key too (it is public by default)")
@@ -218,12 +218,12 @@ class ServerSettings(BaseModel):
         "key", description="key: each API key's prompts share cached rows only with that key's; none: all keys share"
     )
     max_queue: int = Field(512, ge=0, description="requests that may wait beyond --parallel running ones; more get 429")
-    queue_timeout: float = Field(600.0, ge=0, description="seconds a request may wait for a slot (or for its model to load) before a 503 (0: forever)")
-    drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM lets running requests finish")
+    queue_timeout: float = Field(600.0, ge=0, allow_inf_nan=False, description="seconds a request may wait for a slot (or for its model to load) before a 503 (0: forever)")
+    drain_timeout: float = Field(30.0, ge=0, allow_inf_nan=False, description="seconds SIGTERM lets running requests finish")
     stall_seconds: float = Field(
-        30.0, gt=0, description="seconds of no engine progress, with requests in flight, before a stall is logged"
+        30.0, gt=0, allow_inf_nan=False, description="seconds of no engine progress, with requests in flight, before a stall is logged"
     )
-    max_body_mb: float = Field(16.0, gt=0, description="largest request body, in MiB; bigger ones get 413")
+    max_body_mb: float = Field(16.0, gt=0, allow_inf_nan=False, description="largest request body, in MiB; bigger ones get 413")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as JSON objects")
     ui: bool = Field(True, description="serve the playground at / and the live cache view at /ui/cache (--no-ui: neither)")
     metrics_compat: Literal["vllm"] | None = Field(
@@ -264,9 +264,13 @@ class ServerSettings(BaseModel):
         gets them, or no server."""
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty: every route would be open; give a key, or leave the flag out")
+        if self.api_key is None and "api_key" in self.model_fields_set:  # `--api-key null` reads as none
+            raise ValueError("--api-key gives no key: every route would be open; give a key, or leave the flag out")
         if self.api_key_file is not None and not self._file_keys():
             raise ValueError(f"--api-key-file {self.api_key_file} holds no key (only blank and '#' lines): "
                              "every route would be open")
+        if self.metrics_need_key and not self.api_keys():
+            raise ValueError("--metrics-need-key needs a key to ask for: give --api-key or --api-key-file")
         return self
 
     @property

@@ -21,6 +21,13 @@ from kvserve.testing import free_port, kvserve_command
     (["--kv-events", "garbage"], "--kv-events 'garbage': cannot bind: Invalid argument"),
     (["--kv-events", "ipc:///nonexistent/dir/sock"], "--kv-events 'ipc:///nonexistent/dir/sock': cannot bind"),
     (["--api-key", " "], "--api-key is empty"),  # every route open, where the operator asked for a key
+    (["--api-key", "null"], "--api-key gives no key"),  # the command line reads null as none
+    (["--metrics-need-key"], "--metrics-need-key needs a key"),
+    (["--keep-alive", "abc"], "--keep-alive: 'abc' is not a duration"),
+    (["--max-body-mb", "inf"], "--max-body-mb: Input should be a finite number"),
+    (["--prefix-state-mb", "inf"], "--prefix-state-mb: Input should be a finite number"),
+    (["--threads", "40000"], "--threads"),
+    (["--host", ""], "--host"),
 ])
 def test_bad_settings_exit_2_with_one_line(args: list[str], says: str) -> None:
     done = subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=60)
@@ -61,7 +68,7 @@ def test_kvserve_command_spells_settings_as_the_flags_they_parse_from(tmp_path: 
     model = tmp_path / "model.gguf"
     model.touch()  # the settings only check that the file exists
     chosen = {"model": model, "port": 9000, "ctx_size": 4096, "prefix_cache": False, "metrics_need_key": True,
-              "drain_timeout": 1.5, "log_format": "json"}
+              "api_key": "k", "drain_timeout": 1.5, "log_format": "json"}
     command = kvserve_command(**chosen, metrics_compat=None)
     assert command[:3] == [sys.executable, "-m", "kvserve"]
     parsed = Settings(_cli_parse_args=command[3:])

@@ -110,6 +110,8 @@ def test_presets_inherit_the_command_lines_model_flags(tmp_path: Path) -> None:
     ('[m]\npath = "a.gguf"\npinned = "yes"\n', "pinned"),
     ('[m]\npath = "a.gguf"\n[n]\npath = "a.gguf"\naliases = ["m"]\n', "given twice"),
     ('[m\n', "--models"),
+    ('[m]\npath = "a.gguf"\nmodel = "b.gguf"\n', "model is not a preset key"),
+    ('[m]\npath = "a.gguf"\nmodel_alias = "z"\n', "model_alias is not a preset key"),
 ])
 def test_a_bad_preset_is_refused_at_start_in_one_line(tmp_path: Path, text: str, says: str) -> None:
     presets = tmp_path / "models.toml"

@@ -125,6 +125,10 @@ def _preset(settings: Settings, file: Path, name: str, table: dict) -> ModelSpec
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
         raise ValueError(f"{where}: aliases is a list of names")
+    for taken in ("model", "model_alias"):  # the table's path and name are what they would set
+        if taken in table:
+            instead = "path" if taken == "model" else "the table's name, or aliases"
+            raise ValueError(f"{where}: {taken} is not a preset key (give {instead})")
     flags = {key: value for key, value in table.items() if key not in _PRESET_ONLY}
     try:
         model = settings.model_settings(**{"model": None, **flags})
