@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 
 from pydantic import ValidationError
@@ -14,6 +15,17 @@ def _one_line(exc: Exception) -> str:
         where = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-") if err["loc"] else "settings"
         return f"{where}: {err['msg'].removeprefix('Value error, ')}"
     return str(exc)
+
+
+def _check_address(host: str, port: int) -> None:
+    """OSError naming --host and --port where the server could not listen there (in use, no such address)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as exc:
+        raise OSError(f"--host {host} --port {port}: {exc.strerror or exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvserve: --keep-alive: {str(exc).removeprefix('keep_alive: ')}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
+        _check_address(settings.host, settings.port)  # before a load that may take a minute
         specs = catalog(settings)
         if not settings.many_models:
             preflight(settings)

@@ -101,3 +101,25 @@ def test_prefix_state_mb_reaches_server_info(tmp_path: Path) -> None:
     with ServerProcess([*command, "--port", str(port)], port, tmp_path / "kvserve.log") as server:
         server.wait_healthy()
         assert httpx.get(f"{server.url}/server_info").json()["cache"]["prefix_state_bytes"] == 1024 * 1024
+
+
+def test_a_file_llama_cpp_cannot_read_exits_2_with_one_line(tmp_path: Path) -> None:
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    done = subprocess.run([sys.executable, "-m", "kvserve", "--model", str(not_gguf)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"kvserve: --model {not_gguf}: llama.cpp cannot read it (not a GGUF file, or a damaged one)"], done.stderr
+
+
+def test_an_address_in_use_exits_2_before_the_model_loads() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "kvserve", "--port", str(port)], capture_output=True, text=True,
+                              timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"kvserve: --host 127.0.0.1 --port {port}: Address already in use"], done.stderr

@@ -14,7 +14,7 @@ from kvserve.llama.attention_check import FlashAttnChoice, choose_flash_attn
 from kvserve.llama.chat_template import ChatTemplate
 from kvserve.llama.kv_types import KvType, is_quantized
 from kvserve.llama.lora import AdapterLoadError, LoraAdapters
-from kvserve.llama.model import Model, ModelLoadError
+from kvserve.llama.model import Model, ModelLoadError, peek_kind
 from kvserve.reply import ReasoningFormat, resolve_format
 from kvserve.scheduler.async_engine import AsyncEngine
 from kvserve.scheduler.config import SchedulerConfig
@@ -184,13 +184,23 @@ def flash_attn_for(model: Model, settings: ModelSettings) -> FlashAttnChoice:
 def preflight(settings: ModelSettings) -> None:
     """What `Engine.load` would refuse, refused before the server starts, as a ValueError: a quantized
     V without flash attention (the check's verdict is kept for `Engine.load`), an adapter llama.cpp
-    cannot load for the model."""
-    if not is_quantized(settings.cache_type_v) and not settings.lora and not uses_draft_model(settings):
-        return
+    cannot load for the model, a file llama.cpp cannot read at all."""
     llama_log = logging.getLogger("kvserve.llama")
     level = llama_log.level
     llama_log.setLevel(logging.CRITICAL)  # what llama.cpp says of a refusal is in the one line raised
-    model = Model(settings.model)
+    try:
+        if peek_kind(settings.model) is None:  # its header and vocabulary only: a fraction of a second
+            raise ValueError(f"--model {settings.model}: llama.cpp cannot read it (not a GGUF file, or a damaged one)")
+    finally:
+        llama_log.setLevel(level)
+    if not is_quantized(settings.cache_type_v) and not settings.lora and not uses_draft_model(settings):
+        return
+    llama_log.setLevel(logging.CRITICAL)
+    try:
+        model = Model(settings.model)
+    except ModelLoadError as exc:
+        llama_log.setLevel(level)
+        raise ValueError(f"--model: {exc}") from None
     try:
         flash_attn_for(model, settings)
         LoraAdapters(model, settings.lora_paths()).close()
