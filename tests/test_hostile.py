@@ -328,15 +328,15 @@ def test_a_schema_is_converted_off_the_event_loop(tiny, monkeypatch: pytest.Monk
     from kvserve.server import prompts
 
     entered, release = threading.Event(), threading.Event()
-    convert = prompts.json_schema_to_gbnf
+    convert = prompts.json_gbnf
 
-    def slow(schema: str) -> str:
+    def slow(schema: dict) -> str:
         entered.set()
         release.wait(timeout=30)  # on the loop this would hold every other request up to here
         return convert(schema)
 
     with served(tiny("llama"), threads=1, parallel=2) as (url, _):
-        monkeypatch.setattr(prompts, "json_schema_to_gbnf", slow)
+        monkeypatch.setattr(prompts, "json_gbnf", slow)
         answers: list[httpx.Response] = []
         sender = threading.Thread(target=lambda: answers.append(
             httpx.post(f"{url}{CHAT}", json=formatted({"type": "integer"}), timeout=60)))

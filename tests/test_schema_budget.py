@@ -7,7 +7,6 @@ llama.cpp compiles: never anything else."""
 from __future__ import annotations
 
 import enum
-import json
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
 
@@ -15,7 +14,6 @@ import agents
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from llama_cpp.llama_grammar import json_schema_to_gbnf
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
@@ -28,6 +26,7 @@ from kvserve.server.schemas import ChatCompletionRequest
 from kvserve.tools.schema_budget import (
     MAX_ALTERNATIVES, MAX_DEPTH, MAX_GRAMMAR_CHARS, MAX_REPEAT, MAX_TOOLS, SchemaTooLarge, check_schema, check_tools,
 )
+from kvserve.tools.grammar import json_gbnf
 from kvserve.tools.spec import FunctionTool
 
 
@@ -183,9 +182,9 @@ def test_real_schemas_fit_the_budget_and_compile(model: Model, name: str) -> Non
     estimate = check_schema(schema, "response_format.json_schema.schema")
     if name in CONVERTER_REFUSES:
         with pytest.raises(KeyError):  # the pinned converter's own limit (a 400 naming response_format)
-            json_schema_to_gbnf(json.dumps(schema))
+            json_gbnf(schema)
         return
-    gbnf = json_schema_to_gbnf(json.dumps(schema))
+    gbnf = json_gbnf(schema)  # as served
     assert len(gbnf) <= estimate
     Sampler(model, SamplingParams(temperature=0.0, grammar=gbnf)).close()
 
