@@ -257,6 +257,23 @@ def test_request_waiting_past_the_queue_timeout_gets_503(tiny, hold) -> None:
         assert engine_idle(app)
 
 
+def _beside(e, *requests, watched=None) -> tuple[dict[str, RequestOutput], list[int]]:
+    """Submit `requests` in order and step until each ended: each one's last output, and the tokens
+    `watched` (by default the last request) generated."""
+    watched = watched or requests[-1]
+    for request in requests:
+        e.scheduler.submit(request)
+    ends: dict[str, RequestOutput] = {}
+    tokens: list[int] = []
+    while len(ends) < len(requests):
+        for output in e.scheduler.step():
+            if output.request_id == watched.id:
+                tokens += [t for d in output.deltas for t in d.token_ids]
+            if output.usage is not None or output.error is not None:
+                ends[output.request_id] = output
+    return ends, tokens
+
+
 def test_failed_decode_leaves_requests_outside_the_batch_alone(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     """With one slot, the second request waits outside the batch that fails, then runs as if alone."""
     with engine(tiny("llama"), parallel=1, prefix_cache=False) as e:
@@ -265,16 +282,7 @@ def test_failed_decode_leaves_requests_outside_the_batch_alone(tiny, monkeypatch
         expected = run(e, [reference])[reference.id]
         fail_next_decode(monkeypatch, e.pool.ctx)
         doomed, bystander = greedy(prompt, max_tokens=8), greedy(prompt, max_tokens=8)
-        for request in (doomed, bystander):
-            e.scheduler.submit(request)
-        ends: dict[str, RequestOutput] = {}
-        tokens: list[int] = []
-        while len(ends) < 2:
-            for output in e.scheduler.step():
-                if output.request_id == bystander.id:
-                    tokens += [t for d in output.deltas for t in d.token_ids]
-                if output.usage is not None or output.error is not None:
-                    ends[output.request_id] = output
+        ends, tokens = _beside(e, doomed, bystander)
         assert "decode failed" in ends[doomed.id].error and ends[doomed.id].status == 500
         assert ends[bystander.id].error is None and tokens == expected
         assert e.pool.sessions == [] and e.pool.ctx.seq_pos_max(0) == -1
@@ -296,16 +304,7 @@ def test_a_grammar_dead_end_fails_its_request_alone(tiny) -> None:
         doomed = dataclasses.replace(greedy(prompt, max_tokens=8, n=2),
                                      params=SamplingParams(temperature=0.0, grammar=grammar))
         bystander = greedy(prompt, max_tokens=12)
-        ends: dict[str, RequestOutput] = {}
-        tokens: list[int] = []
-        for request in (bystander, doomed):
-            e.scheduler.submit(request)
-        while len(ends) < 2:
-            for output in e.scheduler.step():
-                if output.request_id == bystander.id:
-                    tokens += [t for d in output.deltas for t in d.token_ids]
-                if output.usage is not None or output.error is not None:
-                    ends[output.request_id] = output
+        ends, tokens = _beside(e, bystander, doomed, watched=bystander)
         assert ends[doomed.id].status == 400 and "no token" in ends[doomed.id].error, ends[doomed.id]
         assert ends[bystander.id].error is None and tokens == expected
         assert e.scheduler.snapshot.live_samplers == 0 and e.pool.sessions == []

@@ -89,30 +89,11 @@ def _between(low: str, high: str) -> str:
         return f'"{low[0]}" ({_between(low[1:], high[1:])})' if len(low) > 1 else f'"{low[0]}"'
     if len(low) == 1:
         return f"[{low[0]}-{high[0]}]"
-    parts = [f'"{low[0]}" ({_at_least(low[1:])})']
+    rest = len(low) - 1  # the low edge digit, then at least low's tail; the high one, then at most its
+    parts = [f'"{low[0]}" ({_between(low[1:], "9" * rest)})']
     if int(low[0]) + 1 <= int(high[0]) - 1:
-        parts.append(f"[{int(low[0]) + 1}-{int(high[0]) - 1}] {_any(len(low) - 1)}")
-    parts.append(f'"{high[0]}" ({_at_most(high[1:])})')
-    return " | ".join(parts)
-
-
-def _at_least(low: str) -> str:
-    """Digit strings of this length >= `low`."""
-    if len(low) == 1 or set(low[1:]) == {"0"}:
-        return f"[{low[0]}-9] {_any(len(low) - 1)}".strip()
-    parts = [f'"{low[0]}" ({_at_least(low[1:])})']
-    if low[0] != "9":
-        parts.append(f"[{int(low[0]) + 1}-9] {_any(len(low) - 1)}")
-    return " | ".join(parts)
-
-
-def _at_most(high: str) -> str:
-    """Digit strings of this length <= `high`."""
-    if len(high) == 1 or set(high[1:]) == {"9"}:
-        return f"[0-{high[0]}] {_any(len(high) - 1)}".strip()
-    parts = [f'"{high[0]}" ({_at_most(high[1:])})']
-    if high[0] != "0":
-        parts.append(f"[0-{int(high[0]) - 1}] {_any(len(high) - 1)}")
+        parts.append(f"[{int(low[0]) + 1}-{int(high[0]) - 1}] {_any(rest)}")
+    parts.append(f'"{high[0]}" ({_between("0" * rest, high[1:])})')
     return " | ".join(parts)
 
 
