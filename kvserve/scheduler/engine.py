@@ -189,17 +189,19 @@ def preflight(settings: ModelSettings) -> None:
     level = llama_log.level
     llama_log.setLevel(logging.CRITICAL)  # what llama.cpp says of a refusal is in the one line raised
     try:
-        if peek_kind(settings.model) is None:  # its header and vocabulary only: a fraction of a second
-            raise ValueError(f"--model {settings.model}: llama.cpp cannot read it (not a GGUF file, or a damaged one)")
+        _refuse_what_would_not_load(settings)
     finally:
         llama_log.setLevel(level)
+
+
+def _refuse_what_would_not_load(settings: ModelSettings) -> None:
+    if peek_kind(settings.model) is None:  # its header and vocabulary only: a fraction of a second
+        raise ValueError(f"--model {settings.model}: llama.cpp cannot read it (not a GGUF file, or a damaged one)")
     if not is_quantized(settings.cache_type_v) and not settings.lora and not uses_draft_model(settings):
         return
-    llama_log.setLevel(logging.CRITICAL)
     try:
         model = Model(settings.model)
     except ModelLoadError as exc:
-        llama_log.setLevel(level)
         raise ValueError(f"--model: {exc}") from None
     try:
         flash_attn_for(model, settings)
@@ -210,7 +212,6 @@ def preflight(settings: ModelSettings) -> None:
         raise ValueError(str(exc)) from None
     finally:
         model.close()
-        llama_log.setLevel(level)
 
 
 def _check_draft_file(model: Model, path) -> None:
