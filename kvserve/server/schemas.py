@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, TypeAdapter, ValidationError, ValidationInfo,
-    field_validator, model_validator,
+    create_model, field_validator, model_validator,
 )
 from pydantic.json_schema import SkipJsonSchema
 
@@ -231,41 +231,20 @@ _UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-class _Unserved(Body):
-    """Fields of `_UNSERVED`, each accepted only at its no-op value; not in the OpenAPI document,
-    which describes what is served."""
+def _no_op_only(cls, value: Any, info: ValidationInfo) -> None:
+    no_ops, instead = _UNSERVED[info.field_name]
+    if not any(value == no_op and type(value) is type(no_op) for no_op in no_ops):
+        raise ValueError(f"not supported by this server: {instead}")
+    return None
 
-    suffix: SkipJsonSchema[Any] = None
-    best_of: SkipJsonSchema[Any] = None
-    min_tokens: SkipJsonSchema[Any] = None
-    repetition_penalty: SkipJsonSchema[Any] = None
-    n_predict: SkipJsonSchema[Any] = None
-    grammar: SkipJsonSchema[Any] = None
-    json_schema: SkipJsonSchema[Any] = None
-    guided_json: SkipJsonSchema[Any] = None
-    guided_regex: SkipJsonSchema[Any] = None
-    guided_choice: SkipJsonSchema[Any] = None
-    guided_grammar: SkipJsonSchema[Any] = None
-    structured_outputs: SkipJsonSchema[Any] = None
-    typical_p: SkipJsonSchema[Any] = None
-    mirostat: SkipJsonSchema[Any] = None
-    top_n_sigma: SkipJsonSchema[Any] = None
-    xtc_probability: SkipJsonSchema[Any] = None
-    dry_multiplier: SkipJsonSchema[Any] = None
-    use_beam_search: SkipJsonSchema[Any] = None
-    stop_token_ids: SkipJsonSchema[Any] = None
-    include_stop_str_in_output: SkipJsonSchema[Any] = None
-    skip_special_tokens: SkipJsonSchema[Any] = None
-    prompt_logprobs: SkipJsonSchema[Any] = None
-    truncate_prompt_tokens: SkipJsonSchema[Any] = None
 
-    @field_validator(*_UNSERVED)
-    @classmethod
-    def _no_op_only(cls, value: Any, info: ValidationInfo) -> None:
-        no_ops, instead = _UNSERVED[info.field_name]
-        if not any(value == no_op and type(value) is type(no_op) for no_op in no_ops):
-            raise ValueError(f"not supported by this server: {instead}")
-        return None
+# A field for each of `_UNSERVED`, accepted only at its no-op value; left out of the OpenAPI
+# document, which describes what is served.
+_Unserved = create_model(
+    "_Unserved", __base__=Body,
+    __validators__={"_no_op_only": field_validator(*_UNSERVED)(classmethod(_no_op_only))},
+    **{name: (SkipJsonSchema[Any], None) for name in _UNSERVED},
+)
 
 
 class Sampling(_Unserved):
