@@ -210,6 +210,37 @@ def test_a_bad_lora_field_is_a_400_naming_it(url: str, lora: object) -> None:
     assert response.json()["error"]["param"].startswith("lora")
 
 
+NAN_SCALE = 1e6  # SmolLM2's activations overflow under adapter A at this scale: every logit is NaN
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_scale_that_makes_the_logits_nan_is_a_400_not_an_empty_reply(url: str, stream: bool) -> None:
+    """Greedy took token 0 of a NaN row (end-of-text) and answered an empty 200; a draw answered noise."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    nan = {"lora": [{"id": 0, "scale": NAN_SCALE}]}
+    with pytest.raises(openai.BadRequestError, match=r"logits are nan .* LoRA adapters A\*1000000\.0"):
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}], max_tokens=4,
+                                       temperature=0, stream=stream, extra_body=nan)
+    with pytest.raises(openai.BadRequestError, match="scale is too large"):
+        client.completions.create(model="any", prompt=QUESTION, max_tokens=4, temperature=1.0, stream=stream,
+                                  logprobs=2, extra_body=nan)
+    assert _chat(url, model="A").status_code == 200  # the engine serves on
+
+
+def test_a_served_scale_that_makes_the_logits_nan_is_an_anthropic_400(smollm2: Path, adapters: dict[str, Path]) -> None:
+    """`--lora-scale` reaches the logits as a request's scale does, under every API."""
+    import anthropic
+
+    with serve(smollm2, lora=_lora(adapters), lora_scale=NAN_SCALE, **SMALL) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        with pytest.raises(anthropic.BadRequestError, match="logits are nan"):
+            client.messages.create(model="A", max_tokens=4, messages=[{"role": "user", "content": QUESTION}])
+        answer = client.messages.create(model="any", max_tokens=4, messages=[{"role": "user", "content": QUESTION}])
+    assert answer.content[0].text
+
+
 def test_an_adapter_llama_cpp_cannot_load_is_one_line_and_exit_2(tmp_path: Path, tiny, adapters) -> None:
     """Not a GGUF, and an adapter of another base model (the tiny llama's): refused before serving."""
     import subprocess

@@ -207,6 +207,10 @@ class Context:
         ptr = llama_cpp.llama_get_logits_ith(self._ptr, index)
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
 
+    def logit(self, index: int, token: int) -> float:
+        """The logit of `token` in batch entry `index`: one float read, no array built."""
+        return llama_cpp.llama_get_logits_ith(self._ptr, index)[token]
+
     def seq_embedding(self, seq: int) -> np.ndarray:
         """A copy of the pooled embedding of `seq` from the last decode (an embedding context's)."""
         ptr = llama_cpp.llama_get_embeddings_seq(self._ptr, seq)

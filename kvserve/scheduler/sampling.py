@@ -6,6 +6,8 @@ Invariants:
 - nothing at or after a stop string reaches the client; a choice that ends otherwise emits the text
   held back for a possible stop string or a character split across tokens;
 - a choice ends with `length` at its `max_tokens` or at the longest sequence the context allows;
+- a sampled token whose logit is not finite (the model's row is NaN or infinite: an adapter scale
+  that overflows, a broken model) is never emitted: `NonFiniteLogits` ends the request with an error;
 - a choice whose thinking spent its budget takes the close text's tokens instead of sampling
   (`thinking.ThinkingWatch`);
 - a draft is verified by sampling its rows in order with the choice's own chain, each sampled token
@@ -16,10 +18,17 @@ Invariants:
 
 from __future__ import annotations
 
+import math
+
 from kvserve.llama.context import Context
 from kvserve.llama.sampler import token_logprobs
 from kvserve.scheduler.request import Choice, Delta, FinishReason, Request
 from kvserve.scheduler.step_output import StepOutputs
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logit for the token just sampled is NaN or infinite, so its whole row is noise:
+    greedy picks token 0 of a NaN row (often end-of-text: an empty reply), a draw picks anything."""
 
 
 class Sampling:
@@ -32,6 +41,8 @@ class Sampling:
         forced = choice.thinking.forced_token() if choice.thinking is not None else None
         if forced is None:
             token = choice.sampler.sample(self.ctx, row)
+            if not math.isfinite(logit := self.ctx.logit(row, token)):
+                raise NonFiniteLogits(f"the model's logits are {logit} {choice.n_generated} token(s) into the reply")
         else:
             token = forced
             choice.sampler.accept(token)

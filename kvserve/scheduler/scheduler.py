@@ -22,7 +22,7 @@ from kvserve.cache.kv_pool import KvPool
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.llama.batch import Batch, ubatch_sizes
 from kvserve.llama.context import DecodeError, NoKvSlot
-from kvserve.llama.lora import LoraAdapters
+from kvserve.llama.lora import LoraAdapters, describe
 from kvserve.llama.sampler import GrammarDeadEnd, live_samplers
 from kvserve.scheduler.admission import Admission
 from kvserve.scheduler.batch_plan import BatchPlanner, Slot
@@ -33,7 +33,7 @@ from kvserve.scheduler.ending import Ending
 from kvserve.scheduler.kv_manager import KvManager
 from kvserve.scheduler.queues import Queues
 from kvserve.scheduler.request import FinishReason, Request, RequestOutput
-from kvserve.scheduler.sampling import Sampling
+from kvserve.scheduler.sampling import NonFiniteLogits, Sampling
 from kvserve.scheduler.snapshot import EngineSnapshot
 from kvserve.scheduler.speculation import SpecConfig, Speculator
 from kvserve.scheduler.drafters import TreeDrafter
@@ -307,6 +307,9 @@ class Scheduler:
                 f"{exc}, {sampled.n_generated} token(s) into the reply: the schema or tools ask for text "
                 "this model's vocabulary cannot spell"))
             return
+        except NonFiniteLogits as exc:
+            self.ending.end(request, FinishReason.ERROR, outputs, **_non_finite(request, exc))
+            return
         if request.state.finished:
             self.ending.end(request, None, outputs)
 
@@ -337,3 +340,13 @@ class Scheduler:
                 choice.end(choice.finish_reason or FinishReason.ABORT)
         self.running.clear()
         self.waiting.clear()
+
+
+def _non_finite(request: Request, exc: NonFiniteLogits) -> dict:
+    """The error a request whose logits went non-finite ends with: under adapters, the client's
+    scale (a 400 naming `lora`); without, the model's fault."""
+    if request.adapters:
+        return dict(status=400, error=(
+            f"lora: {exc} under the LoRA adapters {describe(request.adapters)}: their scale is too large "
+            "for this model (send a smaller `lora` scale, or pick the adapter by name at --lora-scale)"))
+    return dict(status=500, error=f"{exc}: the model computed no usable output for this request")
