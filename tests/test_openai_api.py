@@ -229,6 +229,39 @@ def test_completion_text_offsets_count_characters(client: openai.OpenAI) -> None
     assert [x for c in chunks for x in c.logprobs.text_offset] == offsets
 
 
+# 'In English, "你好" is a': 你 and 好 each come as two tokens, the first of them two bytes of three
+CHINESE = [{"role": "user", "content": "What is 你好 in English?"}]
+
+
+def test_chat_logprobs_of_split_characters_are_their_own_bytes(client: openai.OpenAI) -> None:
+    """`bytes` join into the reply's text, whole and streamed; `token` writes the part of a
+    character as OpenAI does ("\\xe4\\xbd"): U+FFFD, with U+FFFD's bytes, said nothing."""
+    kwargs = dict(model=MODEL, messages=CHINESE, temperature=0, max_tokens=10, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(**kwargs)
+    text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+    assert "你好" in text
+    assert b"".join(bytes(i.bytes) for i in content).decode() == text
+    assert [i.token for i in content][4:8] == ["\\xe4\\xbd", "\\xa0", "\\xe5\\xa5", "\\xbd"]
+    for item in [*content, *(t for i in content for t in i.top_logprobs)]:
+        assert item.token == bytes(item.bytes).decode(errors="backslashreplace") and "\ufffd" not in item.token
+    streamed = [i for chunk in client.chat.completions.create(**kwargs, stream=True) if chunk.choices
+                for i in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])]
+    assert [(i.token, i.bytes) for i in streamed] == [(i.token, i.bytes) for i in content]
+
+
+def test_completion_logprobs_of_split_characters_name_their_bytes(client: openai.OpenAI) -> None:
+    """Legacy completions write the part of a character as OpenAI's do, "bytes:\\xe3\\x81"; each is
+    its own key of `top_logprobs` (as U+FFFD, two partial tokens were one key, one logprob lost)."""
+    prompt = "English: hello\nJapanese: こんにちは\nEnglish: hello\nJapanese:"
+    kwargs = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=6, logprobs=3)
+    lp = client.completions.create(**kwargs).choices[0].logprobs
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens), lp.tokens
+    assert not any("\ufffd" in t for t in [*lp.tokens, *(k for top in lp.top_logprobs for k in top)])
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
+
+
 # --- structured output ---------------------------------------------------------------------------
 
 

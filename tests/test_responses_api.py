@@ -167,6 +167,21 @@ def test_logprobs_on_request(base_url: str) -> None:
     assert create(base_url, input=QUESTION, max_output_tokens=2)["output"][0]["content"][0]["logprobs"] == []
 
 
+def test_logprobs_of_split_characters_are_their_own_bytes(base_url: str) -> None:
+    """你 and 好 come as two tokens each: their `bytes` join into the text, and `token` writes the
+    part of a character as OpenAI does ("\\xe4\\xbd"), never as U+FFFD; streamed as whole."""
+    body = dict(input="What is 你好 in English?", temperature=0, max_output_tokens=10,
+                include=["message.output_text.logprobs"], top_logprobs=2)
+    r = create(base_url, **body)
+    logprobs = r["output"][0]["content"][0]["logprobs"]
+    assert "你好" in text_of(r) and b"".join(bytes(lp["bytes"]) for lp in logprobs).decode() == text_of(r)
+    assert "\\xe4\\xbd" in [lp["token"] for lp in logprobs]
+    for lp in [*logprobs, *(top for lp in logprobs for top in lp["top_logprobs"])]:
+        assert lp["token"] == bytes(lp["bytes"]).decode(errors="backslashreplace") and "\ufffd" not in lp["token"]
+    deltas = [e for e in stream_events(base_url, **body) if e["type"] == "response.output_text.delta"]
+    assert [lp["token"] for e in deltas for lp in e["logprobs"]] == [lp["token"] for lp in logprobs]
+
+
 def test_json_schema_format_is_enforced(client: openai.OpenAI) -> None:
     class Verdict(pydantic.BaseModel):
         correct: bool

@@ -59,7 +59,21 @@ class Shape:
         return {"id": self.request.id, "object": self.object, "created": self.created, "model": self.model_name}
 
 
+def token_string(piece: bytes, partial_prefix: str = "") -> str:
+    """A token's string in logprobs: its text where its bytes are whole UTF-8 characters; else, as
+    OpenAI writes a token holding part of a character, its text with each stray byte as `\\xNN`
+    after `partial_prefix` (chat and Responses: none, b"\\xf0\\x9f\\x92" is "\\xf0\\x9f\\x92"; legacy
+    completions: "bytes:"). Never U+FFFD: that would stand for every such token alike."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return partial_prefix + piece.decode("utf-8", errors="backslashreplace")
+
+
 class LogprobFormatter:
+    """Logprobs as OpenAI's APIs give them; a `bytes` list is the token's own bytes, so a client
+    joins a reply's into its text."""
+
     def __init__(self, model: Model) -> None:
         self._model = model
 
@@ -70,19 +84,22 @@ class LogprobFormatter:
         ]
 
     def _entry(self, token: int, logprob: float) -> dict:
-        text = self._model.token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(self._model.piece(token, special=True))}
+        piece = self._model.piece(token, special=True)
+        return {"token": token_string(piece), "logprob": logprob, "bytes": list(piece)}
 
     def offsets(self) -> TextOffsets:
         return TextOffsets(self._model)
 
     def text(self, items: list[TokenLogprobs], offsets: TextOffsets) -> dict:
         return {
-            "tokens": [self._model.token_text(i.token) for i in items],
+            "tokens": [self._text_token(i.token) for i in items],
             "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{self._model.token_text(t): lp for t, lp in i.top} for i in items],
+            "top_logprobs": [{self._text_token(t): lp for t, lp in i.top} for i in items],
             "text_offset": [offsets.start(i.token) for i in items],
         }
+
+    def _text_token(self, token: int) -> str:
+        return token_string(self._model.piece(token, special=True), partial_prefix="bytes:")
 
 
 class TextOffsets:
