@@ -106,7 +106,7 @@ def test_prefix_state_mb_reaches_server_info(tmp_path: Path) -> None:
 def test_a_file_llama_cpp_cannot_read_exits_2_with_one_line(tmp_path: Path) -> None:
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_bytes(b"GGUF" + bytes(range(256)) * 4)
-    done = subprocess.run([sys.executable, "-m", "kvserve", "--model", str(not_gguf)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "kvserve", "--port", str(free_port()), "--model", str(not_gguf)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"kvserve: --model {not_gguf}: llama.cpp cannot read it (not a GGUF file, or a damaged one)"], done.stderr

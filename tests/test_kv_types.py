@@ -20,6 +20,7 @@ from kvserve.llama.context import Context, ContextParams
 from kvserve.llama.kv_types import KV_TYPES
 from kvserve.llama.model import Model
 from kvserve.llama.seq_state import SeqState
+from kvserve.testing import free_port
 
 PAGE = 16
 # bytes per element of each type: ggml's block bytes over block elements (ggml.c's type traits)
@@ -120,7 +121,8 @@ def test_quantized_v_turns_flash_attention_on_under_auto(monkeypatch: pytest.Mon
 
 
 def test_quantized_v_with_flash_attn_off_exits_2_with_one_line() -> None:
-    done = subprocess.run([sys.executable, "-m", "kvserve", "--cache-type-v", "q4_0", "--flash-attn", "off"],
+    done = subprocess.run([sys.executable, "-m", "kvserve", "--port", str(free_port()), "--cache-type-v", "q4_0",
+                           "--flash-attn", "off"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

@@ -23,6 +23,7 @@ from kvserve.llama.lora import BASE, AdapterSet, LoraAdapters, adapter_set, desc
 from kvserve.llama.model import Model
 from kvserve.scheduler.engine import Engine
 from kvserve.server.namespace import request_namespace
+from kvserve.testing import free_port
 from kvserve.testing.lora_adapters import lora_adapter
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 3
@@ -250,7 +251,8 @@ def test_an_adapter_llama_cpp_cannot_load_is_one_line_and_exit_2(tmp_path: Path,
     garbage.write_text("not a gguf")
     other_base = lora_adapter(tiny("llama"), tmp_path, seed=1)
     for path, says in ((garbage, "invalid magic"), (other_base, "incorrect shape")):
-        done = subprocess.run([sys.executable, "-m", "kvserve", "--lora", f"A={adapters['A']}", "--lora", f"X={path}"],
+        done = subprocess.run([sys.executable, "-m", "kvserve", "--port", str(free_port()),
+                               "--lora", f"A={adapters['A']}", "--lora", f"X={path}"],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2
         lines = done.stderr.strip().splitlines()
