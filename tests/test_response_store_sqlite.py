@@ -266,15 +266,19 @@ def test_a_restart_with_the_data_dir_keeps_previous_response_id_chains(tmp_path:
     with started(tmp_path / "first.log", prefix_disk_dir=data) as client:
         first = client.responses.create(model=MODEL, input="Name a color.", temperature=0, max_output_tokens=12,
                                         store=True)
+        first_items = client.responses.input_items.list(first.id).model_dump()
     assert (data / FILE_NAME).is_file()
     with started(tmp_path / "second.log", prefix_disk_dir=data) as client:
         assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+        assert client.responses.input_items.list(first.id).model_dump() == first_items  # the same ids, too
         second = client.responses.create(model=MODEL, input="Name another one.", previous_response_id=first.id,
                                          temperature=0, max_output_tokens=12)
         spelled_out = client.responses.create(model=MODEL, temperature=0, max_output_tokens=12, store=False, input=[
             {"role": "user", "content": "Name a color."},
             {"role": "assistant", "content": first.output_text},
             {"role": "user", "content": "Name another one."}])
+        continued = [item.id for item in client.responses.input_items.list(second.id, order="asc")]
+    assert continued[:2] == [first_items["data"][0]["id"], first.output[0].id] and len(continued) == 3
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens == spelled_out.usage.input_tokens > first.usage.input_tokens
     assert second.output_text == spelled_out.output_text

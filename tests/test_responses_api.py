@@ -20,7 +20,9 @@ from kvserve.reply import ReplyPlan
 from kvserve.scheduler.request import Delta, RequestOutput
 from kvserve.server.responses_api.bodies import ResponseHead
 from kvserve.server.responses_api.events import ResponseEvents
-from kvserve.server.responses_api.schemas import CreateResponse
+from kvserve.server.responses_api.input_items import input_items, page
+from kvserve.server.responses_api.schemas import CreateResponse, MessageItem
+from kvserve.server.responses_api.store import StoredResponse
 from kvserve.server.responses_api.to_chat import chat_request
 from test_openai_api import assert_openai_error
 
@@ -257,6 +259,72 @@ def test_store_get_delete(client: openai.OpenAI, base_url: str) -> None:
     assert r["id"] in error["message"]
 
 
+def test_input_items_are_the_whole_conversation_a_response_saw(client: openai.OpenAI, base_url: str) -> None:
+    """OpenAI's list of input items: a continuation's are the earlier turns (their input and output,
+    output items under the ids they were answered with) then its own input; newest first by default."""
+    first = client.responses.create(model=MODEL, max_output_tokens=4, instructions="Be brief.", input=[
+        {"role": "developer", "content": "Answer in English."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]}])
+    second = client.responses.create(model=MODEL, input="Another one?", previous_response_id=first.id,
+                                     max_output_tokens=4)
+    listed = client.responses.input_items.list(second.id)
+    assert [(item.type, item.role) for item in listed.data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user"), ("message", "developer")]
+    assert listed.data[1].id == first.output[0].id and listed.data[1].content[0].text == first.output_text
+    assert listed.data[0].content[0].text == "Another one?" and listed.data[3].content[0].text == "Answer in English."
+    assert len({item.id for item in listed.data}) == 4 and all(item.status == "completed" for item in listed.data)
+    raw = httpx.get(f"{base_url}/v1/responses/{second.id}/input_items").json()
+    assert raw["object"] == "list" and raw["has_more"] is False
+    assert (raw["first_id"], raw["last_id"]) == (listed.data[0].id, listed.data[-1].id)
+    # The SDK pages through them by `after`, one at a time, in either order.
+    assert [item.id for item in client.responses.input_items.list(second.id, order="asc", limit=1)] == [
+        item.id for item in reversed(listed.data)]
+    page = client.responses.input_items.list(second.id, limit=2, after=listed.data[0].id,
+                                             include=["message.output_text.logprobs"])
+    assert [item.id for item in page.data] == [item.id for item in listed.data[1:3]] and page.has_more
+    # The first response's own listing is its input alone: never its output, nor its instructions.
+    assert [item.id for item in client.responses.input_items.list(first.id)] == [item.id for item in listed.data[2:]]
+
+
+@pytest.mark.parametrize("query,param", [
+    ("limit=0", "limit"), ("limit=101", "limit"), ("limit=ten", "limit"), ("order=newest", "order"),
+    ("after=msg_nowhere", "after"), ("before=msg_nowhere", "before"), ("include=everything", "include[0]"),
+])
+def test_bad_input_items_query(client: openai.OpenAI, base_url: str, query: str, param: str) -> None:
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
+    assert_openai_error(httpx.get(f"{base_url}/v1/responses/{r.id}/input_items?{query}"), param)
+
+
+def test_input_items_of_an_unknown_response_are_a_404(client: openai.OpenAI, base_url: str) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.input_items.list("resp_nowhere")
+    assert "resp_nowhere" in caught.value.body["message"]
+    assert_openai_error(httpx.get(f"{base_url}/v1/responses/resp_nowhere/input_items"), None, status=404)
+
+
+@pytest.mark.parametrize("order,limit,after,before,expect,has_more", [
+    ("asc", 2, None, None, "ab", True),
+    ("desc", 2, None, None, "ed", True),
+    ("asc", 2, "b", None, "cd", True),
+    ("asc", 2, None, "d", "bc", True),
+    ("asc", 5, None, "c", "ab", False),
+    ("desc", 5, "d", "a", "cb", False),
+    ("asc", 9, "e", None, "", False),
+])
+def test_a_page_of_input_items(order, limit, after, before, expect: str, has_more: bool) -> None:
+    items = [{"id": name} for name in "abcde"]
+    listed = page(items, order, limit, after, before)
+    assert "".join(item["id"] for item in listed["data"]) == expect and listed["has_more"] is has_more
+    assert (listed["first_id"], listed["last_id"]) == ((expect[0], expect[-1]) if expect else (None, None))
+
+
+def test_a_response_stored_without_item_ids_lists_stable_ones() -> None:
+    """A store written before items kept their ids lists ids made of the response's and the place."""
+    stored = StoredResponse({"id": "resp_1", "output": []}, [MessageItem(role="user", content="hi")], 0, 0.0)
+    assert input_items(stored) == [{"id": "msg_1_0", "type": "message", "role": "user", "status": "completed",
+                                    "content": [{"type": "input_text", "text": "hi"}]}]
+
+
 def test_store_false_keeps_nothing(base_url: str) -> None:
     r = create(base_url, input=QUESTION, max_output_tokens=4, store=False)
     assert r["store"] is False
@@ -345,6 +413,10 @@ def test_call_result_continuation(client: openai.OpenAI) -> None:
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
     assert second.usage.input_tokens == spelled_out.usage.input_tokens and second.output_text == spelled_out.output_text
+    listed = client.responses.input_items.list(second.id, order="asc").data
+    assert [item.type for item in listed] == ["message", "function_call", "function_call_output"]
+    assert (listed[1].id, listed[1].call_id, listed[2].call_id, listed[2].output) == (
+        call.id, call.call_id, call.call_id, "Sunny, 21 C")
     assert second.usage.input_tokens_details.cached_tokens > 0
 
 

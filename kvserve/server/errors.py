@@ -82,12 +82,16 @@ def engine_error(message: str, status: int) -> APIError:
     return APIError(status, message, type="invalid_request_error" if status < 500 else "server_error")
 
 
+def _where(loc: Sequence) -> tuple:
+    """An error's location without where the request carried it: ('query', 'limit') -> ('limit',)."""
+    return tuple(loc[1:]) if loc and loc[0] in ("body", "query", "path", "header") else tuple(loc)
+
+
 def _param(loc: tuple) -> str | None:
     """('body', 'messages', 0, 'role') -> 'messages[0].role'; union branches (a type such as `str`,
     or a tagged model, named after its class) are no parameter names and are left out."""
-    parts = [p for p in loc if p != "body"]
     out = ""
-    for part in parts:
+    for part in _where(loc):
         if isinstance(part, int):
             out += f"[{part}]"
         elif not (str(part).startswith(("function-", "list[", "str", "int", "literal[")) or str(part)[:1].isupper()):
@@ -99,7 +103,7 @@ def invalid_body(errors: Sequence[dict]) -> APIError:
     """The 400 for a body that failed validation, naming the first offending parameter. Where a
     union failed in each of its branches, the deepest error is the branch the value was meant for."""
     def field(error: dict) -> object:
-        return next((part for part in error.get("loc", ()) if part != "body"), None)
+        return next(iter(_where(error.get("loc", ()))), None)
 
     alike = [e for e in errors if field(e) == field(errors[0])]
     first = max(alike, key=lambda e: len(e.get("loc", ())))

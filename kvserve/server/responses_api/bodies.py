@@ -104,11 +104,11 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
 
 
 def as_input(item: dict) -> InputItem:
-    """An output item as the input item a continuation reads it back as."""
+    """An output item as the input item a continuation reads it back as, under the same id."""
     if item["type"] == "function_call":
-        return FunctionCallItem(type="function_call", call_id=item["call_id"], name=item["name"],
+        return FunctionCallItem(type="function_call", id=item["id"], call_id=item["call_id"], name=item["name"],
                                 arguments=item["arguments"])
     if item["type"] == "reasoning":
         return ReasoningItem.model_validate(item)
     text = "".join(part["text"] for part in item["content"])
-    return MessageItem(role="assistant", content=[TextContent(type="output_text", text=text)])
+    return MessageItem(id=item["id"], role="assistant", content=[TextContent(type="output_text", text=text)])

@@ -1,4 +1,5 @@
-"""`/v1/responses`: create a response (whole or streamed), retrieve and delete a stored one.
+"""`/v1/responses`: create a response (whole or streamed); retrieve, delete or list the input items
+of a stored one.
 
 A response is served as the chat request it translates to (`to_chat`), so it shares chat's prompt
 rendering, grammars and prefix cache: a continuation (`previous_response_id`) renders the earlier
@@ -10,7 +11,7 @@ from __future__ import annotations
 from functools import partial
 from typing import AsyncIterator, Callable
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from kvserve.scheduler.engine import Engine
@@ -23,7 +24,8 @@ from kvserve.server.responses import LogprobFormatter, sse_event
 from kvserve.server.responses_api import to_chat
 from kvserve.server.responses_api.bodies import ResponseHead, as_input
 from kvserve.server.responses_api.events import ResponseEvents
-from kvserve.server.responses_api.schemas import CreateResponse
+from kvserve.server.responses_api.input_items import Order, input_items, page, with_id
+from kvserve.server.responses_api.schemas import CreateResponse, Includable
 from kvserve.server.responses_api.store import ResponseStore, StoredResponse
 
 router = APIRouter()
@@ -59,7 +61,7 @@ async def create_response(body: CreateResponse, request: Request) -> Response:
         job, reply = await prompts.chat_job(engine, to_chat.chat_request(body, history), tenant=tenant_of(request))
     events = ResponseEvents(ResponseHead(body, engine.settings.served_name),
                             LogprobFormatter(engine.model) if body.wants_logprobs else None, reply)
-    context = history + body.items
+    context = history + [with_id(item) for item in body.items]
     owner = owner_of(request)
 
     def keep(final: dict) -> None:
@@ -100,3 +102,14 @@ async def delete_response(response_id: str, request: Request) -> dict:
     if not _store(request).delete(response_id, owner_of(request)):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=error_responses(400, 404))
+@router.get("/responses/{response_id}/input_items", responses=error_responses(400, 404))
+async def list_input_items(
+    response_id: str, request: Request, limit: int = Query(20, ge=1, le=100), order: Order = "desc",
+    after: str | None = None, before: str | None = None,
+    include: list[Includable] = Query([]),  # none adds anything to an input item here
+    include_brackets: list[Includable] = Query([], alias="include[]"),  # the openai SDK's spelling
+) -> dict:
+    return page(input_items(_stored(request, response_id)), order, limit, after, before)

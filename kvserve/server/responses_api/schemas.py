@@ -43,6 +43,7 @@ def content_text(content: str | list[Content]) -> str:
 
 class MessageItem(Body):
     type: Literal["message"] = "message"
+    id: str | None = None  # every item may carry one; a stored item always does (`input_items`)
     role: Literal["user", "system", "developer", "assistant"]
     content: Union[str, list[Content]]
 
@@ -51,6 +52,7 @@ class FunctionCallItem(Body):
     """A call the model made earlier; `call_id` pairs it with its output."""
 
     type: Literal["function_call"]
+    id: str | None = None
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
@@ -58,6 +60,7 @@ class FunctionCallItem(Body):
 
 class FunctionCallOutputItem(Body):
     type: Literal["function_call_output"]
+    id: str | None = None
     call_id: str = Field(min_length=1)
     output: Union[str, list[TextContent]]
 
