@@ -137,8 +137,8 @@ def test_every_api_takes_a_cache_salt(url: str) -> None:
 
 
 def test_a_stored_response_is_its_keys_alone(url: str) -> None:
-    """A kept response carries its conversation: another key may not read, list, continue or delete
-    it."""
+    """A kept response carries its conversation: another key may not read, list, continue, cancel or
+    delete it."""
     created = _post(url, KEY_A, "/v1/responses", {"model": "any", "input": SECRET, "max_output_tokens": 4})
     assert created.status_code == 200, created.text
     rid = created.json()["id"]
@@ -147,11 +147,13 @@ def test_a_stored_response_is_its_keys_alone(url: str) -> None:
     follow = _post(url, KEY_B, "/v1/responses", {"model": "any", "input": "And?", "previous_response_id": rid})
     assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
     assert httpx.get(f"{url}/v1/responses/{rid}/input_items", headers=as_b).status_code == 404
+    assert httpx.post(f"{url}/v1/responses/{rid}/cancel", headers=as_b).status_code == 404
     assert httpx.delete(f"{url}/v1/responses/{rid}", headers=as_b).status_code == 404
     as_a = {"Authorization": f"Bearer {KEY_A}"}
     assert httpx.get(f"{url}/v1/responses/{rid}", headers=as_a).json()["id"] == rid
     [item] = httpx.get(f"{url}/v1/responses/{rid}/input_items", headers=as_a).json()["data"]
     assert item["content"] == [{"type": "input_text", "text": SECRET}]
+    assert httpx.post(f"{url}/v1/responses/{rid}/cancel", headers=as_a).status_code == 400  # not a background one
 
 
 @pytest.mark.parametrize("salt", [123, "", "x" * 257, ["a"]])

@@ -1,5 +1,5 @@
 """Schemathesis against kvserve's own /openapi.json: generated bodies, valid and invalid, for chat,
-completions, responses (create, retrieve, delete, list input items), Anthropic's messages
+completions, responses (create, retrieve, delete, list input items, cancel), Anthropic's messages
 (and count_tokens), embeddings, models, prefix match and the router routes (render, tokenize,
 detokenize). No 5xx,
 and every answer matches the status codes, content types and schemas the document promises
@@ -28,7 +28,7 @@ from kvserve.config import Settings
 from kvserve.server.app import create_app
 
 FUZZED = (r"^/(v1/(chat/completions|completions|responses|models|prefix/match|messages|embeddings)"
-          r"(/render|/\{response_id\}(/input_items)?|/count_tokens)?|tokenize|detokenize)$")
+          r"(/render|/\{response_id\}(/input_items|/cancel)?|/count_tokens)?|tokenize|detokenize)$")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 

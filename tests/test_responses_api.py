@@ -295,11 +295,22 @@ def test_bad_input_items_query(client: openai.OpenAI, base_url: str, query: str,
     assert_openai_error(httpx.get(f"{base_url}/v1/responses/{r.id}/input_items?{query}"), param)
 
 
-def test_input_items_of_an_unknown_response_are_a_404(client: openai.OpenAI, base_url: str) -> None:
-    with pytest.raises(openai.NotFoundError) as caught:
-        client.responses.input_items.list("resp_nowhere")
-    assert "resp_nowhere" in caught.value.body["message"]
+def test_input_items_and_cancel_of_an_unknown_response_are_404s(client: openai.OpenAI, base_url: str) -> None:
+    for call in (client.responses.input_items.list, client.responses.cancel):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call("resp_nowhere")
+        assert "resp_nowhere" in caught.value.body["message"]
     assert_openai_error(httpx.get(f"{base_url}/v1/responses/resp_nowhere/input_items"), None, status=404)
+    assert_openai_error(httpx.post(f"{base_url}/v1/responses/resp_nowhere/cancel"), None, status=404)
+
+
+def test_cancel_refuses_a_response_that_did_not_run_in_the_background(client: openai.OpenAI, base_url: str) -> None:
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.cancel(r.id)
+    assert "background" in caught.value.body["message"]
+    assert_openai_error(httpx.post(f"{base_url}/v1/responses/{r.id}/cancel"), None)
+    assert client.responses.retrieve(r.id).status == r.status  # refused, so untouched
 
 
 @pytest.mark.parametrize("order,limit,after,before,expect,has_more", [

@@ -1,5 +1,5 @@
 """`/v1/responses`: create a response (whole or streamed); retrieve, delete or list the input items
-of a stored one.
+of a stored one (a cancel is refused: no response runs in the background).
 
 A response is served as the chat request it translates to (`to_chat`), so it shares chat's prompt
 rendering, grammars and prefix cache: a continuation (`previous_response_id`) renders the earlier
@@ -113,3 +113,11 @@ async def list_input_items(
     include_brackets: list[Includable] = Query([], alias="include[]"),  # the openai SDK's spelling
 ) -> dict:
     return page(input_items(_stored(request, response_id)), order, limit, after, before)
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses=error_responses(400, 404))
+@router.post("/responses/{response_id}/cancel", responses=error_responses(400, 404))
+async def cancel_response(response_id: str, request: Request) -> dict:
+    _stored(request, response_id)
+    raise APIError(400, "Cannot cancel a synchronous response: only a response created with background=true "
+                        "can be cancelled, and this server runs none in the background.")
