@@ -143,6 +143,20 @@ def test_a_job_never_started_times_out_with_a_503(model: Model) -> None:
         engine.close()
 
 
+def test_jobs_failed_by_the_drain_carry_its_code(model: Model) -> None:
+    """The drain's 503 reaches the client with `code: shutting_down`, as a request refused while draining."""
+    engine = embedder(model)
+    try:
+        job = EmbeddingJob("cut", [tokens(model, "hello")])
+        engine.submit(job)
+        assert engine.fail_all("the server is shutting down", "shutting_down") == 1
+        with pytest.raises(EmbeddingFailed) as failed:
+            job.future.result(timeout=0)
+        assert (failed.value.status, failed.value.code) == (503, "shutting_down")
+    finally:
+        engine.close()
+
+
 def test_a_job_submitted_while_a_batch_is_planned_waits_for_the_next(model: Model, mean: Embedder,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests submit from the event loop's thread while the engine thread plans a batch (and its

@@ -59,7 +59,8 @@ def test_sigterm_lets_streams_finish_or_end_with_an_error_then_exits_0(tiny, tmp
         assert server.wait(timeout=30) == 0
 
     assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
-    assert long[-1] == "[DONE]" and "shutting down" in json.loads(long[-2])["error"]["message"]
+    cut = json.loads(long[-2])["error"]
+    assert long[-1] == "[DONE]" and "shutting down" in cut["message"] and cut["code"] == "shutting_down"
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     assert health == 503
 

@@ -230,17 +230,17 @@ class AsyncEngine:
         self.scheduler.abort(request_id)
         self._wakeup.set()
 
-    async def drain(self, timeout: float, message: str) -> int:
-        """Wait up to `timeout` seconds for the requests in flight to end, then fail the rest with
-        `message`; returns how many were failed."""
+    async def drain(self, timeout: float, message: str, code: str) -> int:
+        """Wait up to `timeout` seconds for the requests in flight to end, then fail the rest with a
+        503 saying `message` (its `code`); returns how many were failed."""
         deadline = time.monotonic() + timeout
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         left = list(self._streams)
         for request_id in left:
-            self.scheduler.abort(request_id, error=message)
+            self.scheduler.abort(request_id, error=message, code=code)
         embedder = self.scheduler.embedder
-        failed = await self.call(lambda: embedder.fail_all(message)) if embedder and self.running else 0
+        failed = await self.call(lambda: embedder.fail_all(message, code)) if embedder and self.running else 0
         self._wakeup.set()
         return len(left) + failed
 

@@ -51,9 +51,10 @@ def model_pooling(model: Model) -> str:
 
 
 class EmbeddingFailed(RuntimeError):
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 @dataclass(eq=False)
@@ -155,16 +156,16 @@ class Embedder:
             job.add(vector)
         return True
 
-    def fail_all(self, message: str) -> int:
+    def fail_all(self, message: str, code: str | None = None) -> int:
         """End every job with a 503 (shutdown); returns how many."""
         jobs = list(self._jobs)
         self._jobs.clear()
         for job in jobs:
-            _fail(job, message, 503)
+            _fail(job, message, 503, code)
         return len(jobs)
 
     def close(self) -> None:
-        self.fail_all("the server is shutting down")
+        self.fail_all("the server is shutting down", "shutting_down")
         self._batch.close()
         if self._ctx is not None:
             self._ctx.close()
@@ -199,8 +200,8 @@ def _normalized(vector: np.ndarray) -> np.ndarray:
     return vector / norm if norm > 0 else vector
 
 
-def _fail(job: EmbeddingJob, message: str, status: int) -> None:
-    _settle(job.future.set_exception, EmbeddingFailed(message, status))
+def _fail(job: EmbeddingJob, message: str, status: int, code: str | None = None) -> None:
+    _settle(job.future.set_exception, EmbeddingFailed(message, status, code))
 
 
 def _settle(setter: Callable[[Any], None], value: Any) -> None:

@@ -21,7 +21,7 @@ class Ending:
         self.speculator = speculator  # told of each choice that ends well (its answer may be drafted again)
 
     def end(self, request: Request, reason: FinishReason | None, outputs: StepOutputs,
-            error: str | None = None, status: int = 500) -> None:
+            error: str | None = None, status: int = 500, code: str | None = None) -> None:
         """Close every open choice with `reason`, give the sequences back, emit usage (or the error)."""
         failed = reason is FinishReason.ERROR
         for choice in request.state.choices:
@@ -32,7 +32,7 @@ class Ending:
                 self.speculator.finished(choice.spec)
         self.kv.release(request, donate=not failed)
         self.queues.remove(request)
-        outputs.end(request, error, status)
+        outputs.end(request, error, status, code)
 
     def fail(self, requests: set[Request], message: str, outputs: StepOutputs) -> None:
         for request in requests:

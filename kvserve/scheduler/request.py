@@ -146,3 +146,4 @@ class RequestOutput:
     usage: Usage | None = None
     error: str | None = None
     status: int = 500  # the HTTP status an error maps to, for a response that has not started
+    code: str | None = None  # the error's code for a client's program (OpenAI's `error.code`), if it has one

@@ -87,7 +87,7 @@ class Scheduler:
         self.planner = BatchPlanner(self.kv, self.ending, config, self.queues, self.speculator)
         self.sampling = Sampling(pool.ctx, config.max_seq_len)
         self._inbox: deque[Request] = deque()
-        self._aborts: deque[tuple[str, str | None]] = deque()
+        self._aborts: deque[tuple[str, str | None, str | None]] = deque()
         self._batch = Batch(pool.ctx.n_batch)
         self.last_progress = time.monotonic()  # when a step last evaluated tokens or ended a request
         self.started = self.last_progress
@@ -104,9 +104,9 @@ class Scheduler:
             raise ValueError(f"no LoRA adapter loaded as {', '.join(sorted(unknown))}")
         self._inbox.append(request)
 
-    def abort(self, request_id: str, error: str | None = None) -> None:
-        """End a request at the next step: as aborted, or, given `error`, as failed with a 503."""
-        self._aborts.append((request_id, error))
+    def abort(self, request_id: str, error: str | None = None, code: str | None = None) -> None:
+        """End a request at the next step: as aborted, or, given `error` (and its `code`), as failed with a 503."""
+        self._aborts.append((request_id, error, code))
 
     @property
     def running(self) -> list[Request]:
@@ -236,11 +236,11 @@ class Scheduler:
         while self._inbox:
             self.waiting.append(self._inbox.popleft())
         while self._aborts:
-            request_id, error = self._aborts.popleft()
+            request_id, error, code = self._aborts.popleft()
             for request in [*self.running, *self.waiting]:
                 if request.id == request_id:
                     reason = FinishReason.ERROR if error else FinishReason.ABORT
-                    self.ending.end(request, reason, outputs, error=error, status=503)
+                    self.ending.end(request, reason, outputs, error=error, status=503, code=code)
 
     def _run(self, slots: list[Slot], outputs: StepOutputs) -> bool:
         """Decode the planned batch, record what it evaluated, then sample where a sequence's known

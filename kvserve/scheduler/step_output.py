@@ -29,10 +29,10 @@ class StepOutputs:
         output.deltas.append(Delta(choice.index))
         return output.deltas[-1]
 
-    def end(self, request: Request, error: str | None, status: int) -> None:
-        """The request's last output: its usage, and the error (with its HTTP status) if it failed."""
+    def end(self, request: Request, error: str | None, status: int, code: str | None = None) -> None:
+        """The request's last output: its usage, and the error (with its HTTP status and code) if it failed."""
         output = self._of(request)
-        output.error, output.status = error, status
+        output.error, output.status, output.code = error, status, code
         specs = [c.spec for c in request.state.choices if c.spec is not None]
         output.usage = Usage(
             prompt_tokens=len(request.prompt),

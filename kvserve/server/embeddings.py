@@ -90,7 +90,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     except EngineStopped as exc:
         raise APIError(503, str(exc), type="server_error", code="shutting_down") from exc
     except EmbeddingFailed as exc:
-        error = engine_error(str(exc), exc.status)
+        error = engine_error(str(exc), exc.status, exc.code)
         raise rejected(request, error) if error.status == 503 else error from exc
     n_tokens = sum(len(tokens) for tokens in inputs)
     return JSONResponse({  # built as a dict: validating 256 x n_embd floats again would only cost time

@@ -77,9 +77,9 @@ def context_length_exceeded(limit: int, prompt_tokens: int, param: str) -> APIEr
     )
 
 
-def engine_error(message: str, status: int) -> APIError:
+def engine_error(message: str, status: int, code: str | None = None) -> APIError:
     """A request the engine ended with an error: the client's fault below 500, the server's above."""
-    return APIError(status, message, type="invalid_request_error" if status < 500 else "server_error")
+    return APIError(status, message, type="invalid_request_error" if status < 500 else "server_error", code=code)
 
 
 def _where(loc: Sequence) -> tuple:

@@ -67,7 +67,7 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
     try:
         first = await _unless_disconnected(request, outputs.peek())
         if first.error is not None:
-            error = engine_error(first.error, first.status)
+            error = engine_error(first.error, first.status, first.code)
             raise rejected(request, error, engine) if error.status == 503 else error
         if answer.stream is not None:
             return StreamingResponse(

@@ -137,7 +137,7 @@ async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs:
     usage: Usage | None = None
     async for output in outputs:
         if output.error is not None:
-            raise engine_error(output.error, output.status)
+            raise engine_error(output.error, output.status, output.code)
         for delta in output.deltas:
             c = choices[delta.index]
             c.text += delta.text
@@ -196,7 +196,7 @@ async def _collect_chat(shape: Shape, outputs: AsyncIterator[RequestOutput], log
     usage: Usage | None = None
     async for output in outputs:
         if output.error is not None:
-            raise engine_error(output.error, output.status)
+            raise engine_error(output.error, output.status, output.code)
         for delta in output.deltas:
             for choice in _chat_chunk_choices(shape, delta, logprobs, readers[delta.index]):
                 messages[delta.index].add(choice)
@@ -219,7 +219,7 @@ async def stream(
     readers = [shape.reply.reader() for _ in range(shape.request.n)] if shape.chat else []
     async for output in outputs:
         if output.error is not None:
-            yield sse(engine_error(output.error, output.status).body)
+            yield sse(engine_error(output.error, output.status, output.code).body)
             break
         for delta in output.deltas:
             if readers:

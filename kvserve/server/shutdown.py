@@ -53,7 +53,7 @@ class DrainingServer(uvicorn.Server):
             running = [engine for engine in engines if engine.running]
             if running:
                 _log.info("draining: %d requests in flight, up to %gs", sum(e.in_flight for e in running), self.drain_timeout)
-                failed = sum(await asyncio.gather(*(e.drain(self.drain_timeout, SHUTTING_DOWN) for e in running)))
+                failed = sum(await asyncio.gather(*(e.drain(self.drain_timeout, SHUTTING_DOWN, "shutting_down") for e in running)))
                 _log.info("drained; %d requests were cut short", failed)
         finally:  # whatever the drain met, the server stops
             self.should_exit = True

@@ -44,7 +44,7 @@ async def create_message(body: CreateMessage, request: Request) -> Response:
 async def _whole(events: MessageEvents, outputs: Outputs) -> dict:
     async for output in outputs:
         if output.error is not None:
-            raise engine_error(output.error, output.status)
+            raise engine_error(output.error, output.status, output.code)
         events.feed(output)
     return events.message
 

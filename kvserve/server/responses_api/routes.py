@@ -75,7 +75,7 @@ async def create_response(body: CreateResponse, request: Request) -> Response:
 async def _whole(events: ResponseEvents, keep: Keep, outputs: Outputs) -> dict:
     async for output in outputs:
         if output.error is not None:
-            raise engine_error(output.error, output.status)
+            raise engine_error(output.error, output.status, output.code)
         events.feed(output)
     keep(events.final)
     return events.final
