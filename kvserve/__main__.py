@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, DiskLocked, OSError) as exc:
         print(f"kvserve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    serve(settings, specs, persistence)
+    raise SystemExit(serve(settings, specs, persistence))
 
 
 if __name__ == "__main__":

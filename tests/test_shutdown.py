@@ -1,4 +1,5 @@
-"""SIGTERM drains: a real `python -m kvserve` process, its JSON logs, its keys and its exit status."""
+"""SIGTERM drains, a second signal cuts the drain: a real `python -m kvserve` process, its JSON logs, its keys
+and its exit status."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import asyncio
 import json
 from pathlib import Path
 
+import anthropic
 import httpx
+import openai
 
-from kvserve.testing import ServerProcess, wait_until
+from kvserve.server.shutdown import SHUTTING_DOWN
+from kvserve.testing import ServerProcess, read_metrics, wait_until
 
 KEY = "sk-very-secret-9f8e7d"
 
@@ -105,3 +109,56 @@ def test_sigterm_while_a_request_waits_for_a_model_swap_exits_0_and_loads_nothin
     assert waiting.status_code == 503 and waiting.json()["error"]["code"] == "shutting_down"
     text = log.read_text()
     assert "loading model tiny" not in text and "Traceback" not in text and "never retrieved" not in text
+
+
+LONG = {"model": "m", "max_tokens": 4000, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _interrupted_twice(server: ServerProcess) -> list[BaseException | None]:
+    """Four requests in flight (OpenAI and Anthropic, streamed and whole), Ctrl-C, and Ctrl-C again
+    as the server drains: what each client raised (None: it finished)."""
+    oai = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    claude = anthropic.AsyncAnthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+
+    async def streamed_chat() -> None:
+        async for _ in await oai.chat.completions.create(**LONG, stream=True, extra_body={"ignore_eos": True}):
+            pass
+
+    async def streamed_message() -> None:
+        async with claude.messages.stream(**LONG) as events:
+            async for _ in events:
+                pass
+
+    calls = [streamed_chat(), streamed_message(), oai.chat.completions.create(**LONG, extra_body={"ignore_eos": True}),
+             claude.messages.create(**LONG)]
+    tasks = [asyncio.create_task(call) for call in calls]
+    await asyncio.to_thread(wait_until, lambda: read_metrics(server.url).value("kvserve_requests_running") == 4, 30,
+                            "four requests running")
+    server.interrupt()
+    await asyncio.to_thread(wait_until, lambda: "draining:" in server.log.read_text(), 30, "the server draining")
+    server.interrupt()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 15)  # not the drain's 60 s
+    return [r if isinstance(r, BaseException) else None for r in results]
+
+
+def test_a_second_ctrl_c_fails_what_is_in_flight_at_once_and_exits_130(tiny, tmp_path: Path) -> None:
+    """The first Ctrl-C drains; the second fails every request in flight with a 503 `shutting_down` in
+    its API's shape (a stream: its error event), then the server shuts down as after a drain and
+    exits 130, as a shell reports an interrupted process. It once quit with no shutdown at all: the
+    requests' tasks were cancelled (a plain-text 500, a cut stream, tracebacks) and it exited 0."""
+    log = tmp_path / "kvserve.log"
+    with ServerProcess.kvserve(log, model=tiny("llama"), threads=1, parallel=4, drain_timeout=60) as server:
+        server.wait_healthy()
+        chat_stream, message_stream, chat, message = asyncio.run(_interrupted_twice(server))
+        assert server.wait(timeout=30) == 130
+
+    for failed in (chat_stream, chat):  # a stream's error chunk, or the 503 before any
+        assert isinstance(failed, openai.APIError) and failed.code == "shutting_down", repr(failed)
+    assert isinstance(chat, openai.InternalServerError) and chat.status_code == 503
+    for failed in (message_stream, message):
+        assert isinstance(failed, anthropic.APIStatusError), repr(failed)
+        assert failed.body["error"] == {"type": "overloaded_error", "message": SHUTTING_DOWN}
+    assert message.status_code == 503
+    text = log.read_text()
+    assert "drained; 4 requests were cut short" in text and "Application shutdown complete" in text
+    assert "Traceback" not in text and "Exception in ASGI" not in text

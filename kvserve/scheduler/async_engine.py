@@ -230,11 +230,11 @@ class AsyncEngine:
         self.scheduler.abort(request_id)
         self._wakeup.set()
 
-    async def drain(self, timeout: float, message: str, code: str) -> int:
-        """Wait up to `timeout` seconds for the requests in flight to end, then fail the rest with a
-        503 saying `message` (its `code`); returns how many were failed."""
+    async def drain(self, timeout: float, message: str, code: str, cut: asyncio.Event) -> int:
+        """Wait up to `timeout` seconds, or until `cut` is set, for the requests in flight to end,
+        then fail the rest with a 503 saying `message` (its `code`); returns how many were failed."""
         deadline = time.monotonic() + timeout
-        while self.in_flight and time.monotonic() < deadline:
+        while self.in_flight and time.monotonic() < deadline and not cut.is_set():
             await asyncio.sleep(0.05)
         left = list(self._streams)
         for request_id in left:

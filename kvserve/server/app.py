@@ -213,7 +213,10 @@ def _document_400s_not_422s(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def serve(settings: Settings, specs: list[ModelSpec] | None = None, persistence: Persistence | None = None) -> None:
+def serve(settings: Settings, specs: list[ModelSpec] | None = None, persistence: Persistence | None = None) -> int:
+    """Serve until a signal stops the server; the process's exit status (`DrainingServer.exit_status`)."""
     app = create_app(settings, specs, persistence)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=log_config(settings.log_format))
-    DrainingServer(config, app, settings.drain_timeout).run()
+    server = DrainingServer(config, app, settings.drain_timeout)
+    server.run()
+    return server.exit_status

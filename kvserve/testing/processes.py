@@ -125,6 +125,10 @@ class ServerProcess:
         """SIGTERM to the process group: the polite stop, which kvserve answers by draining."""
         self._signal(signal.SIGTERM)
 
+    def interrupt(self) -> None:
+        """SIGINT to the process group, as Ctrl-C in its terminal."""
+        self._signal(signal.SIGINT)
+
     def kill(self) -> None:
         """SIGKILL to the process group, as a crashed machine would end it; returns once it is gone."""
         self._signal(signal.SIGKILL)
