@@ -8,6 +8,8 @@ import sys
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from kvserve.server.signals import exiting_at_once
+
 
 def _one_line(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
@@ -29,6 +31,11 @@ def _check_address(host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    with exiting_at_once():  # until the server drains on a signal, one ends the process at once
+        _start(argv)
+
+
+def _start(argv: list[str] | None) -> None:
     from kvserve.config import Settings
 
     try:

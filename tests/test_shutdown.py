@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import anthropic
@@ -12,7 +15,7 @@ import httpx
 import openai
 
 from kvserve.server.shutdown import SHUTTING_DOWN
-from kvserve.testing import ServerProcess, read_metrics, wait_until
+from kvserve.testing import ServerProcess, free_port, read_metrics, wait_until
 
 KEY = "sk-very-secret-9f8e7d"
 
@@ -162,3 +165,31 @@ def test_a_second_ctrl_c_fails_what_is_in_flight_at_once_and_exits_130(tiny, tmp
     text = log.read_text()
     assert "drained; 4 requests were cut short" in text and "Application shutdown complete" in text
     assert "Traceback" not in text and "Exception in ASGI" not in text
+
+
+def test_a_signal_while_the_model_loads_exits_at_once_with_one_line(smollm2: Path, tmp_path: Path) -> None:
+    """llama.cpp's load cannot be interrupted, and nothing waits for it: SIGTERM as the model starts
+    loading ends the process at once, 143, one line. (The server once loaded the whole model, then
+    shut down and exited 0.)"""
+    log = tmp_path / "kvserve.log"
+    with ServerProcess.kvserve(log, model=smollm2, threads=1, ctx_size=512) as server:
+        server.wait_for(lambda: "loading model" in log.read_text(), "the load beginning", timeout=60)
+        server.terminate()
+        assert server.wait(timeout=10) == 143
+    text = log.read_text()
+    assert text.splitlines()[-1].endswith("SIGTERM: exiting at once")
+    assert " loaded (" not in text and "Traceback" not in text
+
+
+def test_a_signal_before_the_model_loads_exits_at_once_with_one_line(smollm2: Path) -> None:
+    """Before the server starts (settings, imports, the checks before the load: here held in the
+    checks), Ctrl-C is one line and 130, not a KeyboardInterrupt's traceback."""
+    code = ("import sys, time\nimport kvserve.scheduler.engine as engine\nfrom kvserve.__main__ import main\n"
+            "engine.preflight = lambda settings: print('checking', flush=True) or time.sleep(60)\n"
+            "main(sys.argv[1:])\n")
+    process = subprocess.Popen([sys.executable, "-c", code, "--model", str(smollm2), "--port", str(free_port())],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "checking\n"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=10)
+    assert process.returncode == 130 and err == "SIGINT: exiting at once\n"

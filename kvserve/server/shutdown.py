@@ -9,7 +9,8 @@ Invariants:
 - a second signal cuts the drain short: what is in flight fails at once with the same error, the
   shutdown goes on as after a drain, and the process exits 128 + the second signal's number (130
   for Ctrl-C, 143 for SIGTERM), as a shell reports a process a signal interrupted;
-- a third signal exits at once (`signals.exit_now`).
+- a signal before the server listens (the model still loading), or a third one, exits at once
+  (`signals.exit_now`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class DrainingServer(uvicorn.Server):
 
     def _signalled(self, sig: int) -> None:
         self.signals.append(sig)
-        if self._loop is None or len(self.signals) > 2:
+        if not self.started or self._loop is None or len(self.signals) > 2:  # the loop: set once started
             exit_now(sig)
         if len(self.signals) == 2:
             _log.warning("%s again: failing the requests in flight now", signal.Signals(sig).name)
