@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
+import socket
 import threading
 import time
 from typing import Callable, Iterator
@@ -18,6 +20,7 @@ from conftest import engine, greedy, run, served
 from kvserve.llama.batch import Batch
 from kvserve.llama.context import Context, DecodeError
 from kvserve.scheduler.request import RequestOutput
+from kvserve.server import generation
 from kvserve.testing import read_metrics, wait_until
 from test_openai_api import assert_openai_error
 
@@ -327,3 +330,31 @@ def test_a_request_that_a_long_step_kept_waiting_takes_a_free_slot_rather_than_t
         while e.scheduler.has_work():
             outputs += e.scheduler.step()
         assert [o.error for o in outputs if o.error] == [] and request.state.admitted_at is not None
+
+
+def test_stream_whose_client_leaves_before_it_begins_frees_its_sequence(server, hold, monkeypatch) -> None:
+    """The client hangs up after the first output is ready but before the stream's body is read
+    (here: held until then). Starlette sees the hang-up and cancels the task sending the body before
+    it ran, but anyio delivers a cancellation only to a started task: the body's generator begins,
+    and the cancellation closes its outputs, which aborts the request at once (not at max_tokens)."""
+    url, app = server
+    real = generation._unless_disconnected
+
+    async def first_output_then_hang_up(request, work):
+        result = await real(request, work)
+        if isinstance(result, RequestOutput):  # the first output, peeked before the status is chosen
+            await generation._disconnected(request)
+        return result
+
+    monkeypatch.setattr(generation, "_unless_disconnected", first_output_then_hang_up)
+    held = hold(app.state.models.only.pool.ctx, after=2)  # the request cannot end by itself
+    body = json.dumps({**LONG, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: app.state.models.only.async_engine.in_flight == 1, 30, "the request running")
+        time.sleep(0.2)  # its first output is ready
+    wait_until(lambda: app.state.models.only.async_engine.in_flight == 0, 5, "the request aborted")
+    held.release()
+    assert engine_idle(app) and held.decodes < LONG["max_tokens"], "the abandoned stream kept running"
+    assert app.state.models.only.pool.sessions == []
