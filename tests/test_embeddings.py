@@ -137,7 +137,7 @@ def test_a_job_never_started_times_out_with_a_503(model: Model) -> None:
         engine.step()
         with pytest.raises(EmbeddingFailed) as failed:
             job.future.result(timeout=0)
-        assert failed.value.status == 503
+        assert (failed.value.status, failed.value.code) == (503, "queue_timeout")
         assert not engine.has_work()
     finally:
         engine.close()

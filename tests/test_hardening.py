@@ -257,6 +257,7 @@ def test_request_waiting_past_the_queue_timeout_gets_503(tiny, hold) -> None:
         first, second = asyncio.run(two())
         assert first.status_code == 200
         assert second.status_code == 503 and "overloaded" in second.json()["error"]["message"]
+        assert second.json()["error"]["code"] == "queue_timeout"
         assert engine_idle(app)
 
 

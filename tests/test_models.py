@@ -440,6 +440,7 @@ def test_a_stopped_engine_ends_the_requests_it_still_had(tiny) -> None:
 
         outputs = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert outputs[-1].error and outputs[-1].status == 503 and "unloaded" in outputs[-1].error
+    assert outputs[-1].code == "model_unloaded"
 
 
 def test_a_cache_kept_for_one_file_is_never_bound_to_another(tiny, tmp_path: Path) -> None:

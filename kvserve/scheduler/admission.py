@@ -52,7 +52,7 @@ class Admission:
         for request in [r for r in self.queues.waiting if r.state.admitted_at is None and now - r.arrival > limit]:
             message = (f"the request waited {now - request.arrival:.1f}s (--queue-timeout {limit:g}s) for "
                        f"{request.state.blocked_on or 'a slot'}; the server is overloaded")
-            self.ending.end(request, FinishReason.ERROR, outputs, error=message, status=503)
+            self.ending.end(request, FinishReason.ERROR, outputs, error=message, status=503, code="queue_timeout")
 
     def admit(self, outputs: StepOutputs) -> None:
         """Start waiting requests in admission order until one cannot start for lack of a slot or a

@@ -143,7 +143,7 @@ class AsyncEngine:
             self._executor.shutdown(wait=True)
         CORES.leave(self)
         for request_id, stream in list(self._streams.items()):
-            stream.put(RequestOutput(request_id, [], error=STOPPED, status=503))
+            stream.put(RequestOutput(request_id, [], error=STOPPED, status=503, code="model_unloaded"))
         self._streams.clear()
 
     async def call(self, fn: Callable[[], T]) -> T:

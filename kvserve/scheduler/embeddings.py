@@ -175,7 +175,7 @@ class Embedder:
         limit, now, ended = self.config.queue_timeout, time.monotonic(), False
         for job in list(self._jobs):
             if not job.future.done() and limit and not job.started and now - job.arrival > limit:
-                _fail(job, f"the request waited {limit:g}s for the engine; the server is overloaded", 503)
+                _fail(job, f"the request waited {limit:g}s for the engine; the server is overloaded", 503, "queue_timeout")
             if job.future.done():
                 self._jobs.remove(job)
                 ended = True
