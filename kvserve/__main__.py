@@ -14,8 +14,10 @@ from kvserve.server.signals import exiting_at_once
 def _one_line(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
-        where = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-") if err["loc"] else "settings"
-        return f"{where}: {err['msg'].removeprefix('Value error, ')}"
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:
+            return message
+        return "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-") + f": {message}"
     return str(exc)
 
 

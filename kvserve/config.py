@@ -1,5 +1,8 @@
 """Settings: every flag is also a `KVSERVE_*` environment variable (flags win).
 
+Any other `KVSERVE_*` variable stops the start, but those of `NOT_SETTINGS`, which kvserve reads
+elsewhere: a misspelt setting is refused, never silently left at its default.
+
 `ModelSettings` is what one served model is loaded with (the engine takes it); `ServerSettings` is
 the rest, shared by every model. `Settings` is both: the command line, whose model flags are the
 defaults every model of `--models` or `--models-dir` inherits.
@@ -7,11 +10,12 @@ defaults every model of `--models` or `--models-dir` inherits.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Iterable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +23,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kvserve.llama.kv_types import KvType, is_quantized
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ENV_PREFIX = "KVSERVE_"
+# `KVSERVE_*` variables read on purpose that are no setting: kvserve's model and check cache folder
+# (kvserve.testing.part_models, kvserve.llama.attention_check), and tests/test_ui.py's screenshot folder
+# (the servers those tests start inherit it).
+NOT_SETTINGS = frozenset({"KVSERVE_MODEL_CACHE", "KVSERVE_SCREENSHOTS"})
 
 
 def embedded_model_path() -> Path | None:
@@ -68,6 +77,21 @@ def existing_file(value: Path | None) -> Path | None:
     if value is not None and not value.is_file():
         raise ValueError(f"file not found: {value}")
     return value
+
+
+def unknown_variable(environ: Mapping[str, str], settings: Iterable[str]) -> str | None:
+    """Why the first `KVSERVE_*` variable of `environ` that is no setting's (nor one of `NOT_SETTINGS`)
+    is refused, naming the closest setting's; None where there is none. Names are read in any case,
+    as pydantic-settings reads them."""
+    known = sorted(name.upper() for name in settings)
+    for name in sorted(environ):
+        upper = name.upper()
+        setting = upper.removeprefix(ENV_PREFIX)
+        if setting != upper and setting not in known and upper not in NOT_SETTINGS:
+            close = difflib.get_close_matches(setting, known, n=1)
+            hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else f"--ctx-size's is {ENV_PREFIX}CTX_SIZE"
+            return f"{name} is not a setting's variable ({hint})"
+    return None
 
 
 class ModelSettings(BaseModel):
@@ -293,12 +317,20 @@ class Settings(BaseSettings, ServerSettings, ModelSettings):
     """The command line and `KVSERVE_*` variables: the server's settings and the model flags."""
 
     model_config = SettingsConfigDict(
-        env_prefix="KVSERVE_",
+        env_prefix=ENV_PREFIX,
         cli_prog_name="kvserve",
         cli_kebab_case=True,
         cli_implicit_flags=True,
         extra="ignore",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_variable(cls, data: object) -> object:
+        refused = unknown_variable(os.environ, cls.model_fields)
+        if refused:
+            raise ValueError(refused)
+        return data
 
     @model_validator(mode="after")
     def _default_model(self) -> "Settings":

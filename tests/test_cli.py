@@ -3,6 +3,7 @@ harness spells settings as the flags kvserve parses."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,27 @@ def test_env_vars_are_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings(_cli_parse_args=[])
     assert settings.port == 8123 and settings.prefix_cache is False
     assert Settings(_cli_parse_args=["--port", "9000"]).port == 9000  # flags win
+
+
+@pytest.mark.parametrize("variable, says", [
+    ("KVSERVE_PREFIX_DISK_DRI", "KVSERVE_PREFIX_DISK_DRI is not a setting's variable (did you mean KVSERVE_PREFIX_DISK_DIR?)"),
+    ("KVSERVE_SPECULATIVE_MODE", "KVSERVE_SPECULATIVE_MODE is not a setting's variable (did you mean KVSERVE_SPECULATIVE?)"),
+    ("kvserve_ctx_sise", "kvserve_ctx_sise is not a setting's variable (did you mean KVSERVE_CTX_SIZE?)"),  # read in any case
+    ("KVSERVE_SERVICE_HOST", "KVSERVE_SERVICE_HOST is not a setting's variable (--ctx-size's is KVSERVE_CTX_SIZE)"),
+])
+def test_a_variable_that_is_no_setting_exits_2_with_one_line(variable: str, says: str) -> None:
+    """A misspelt variable once left its setting at the default, silently."""
+    env = {**os.environ, variable: "1"}
+    done = subprocess.run([sys.executable, "-m", "kvserve"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"kvserve: {says}"], done.stderr
+
+
+def test_variables_kvserve_reads_elsewhere_are_no_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kvserve.config import NOT_SETTINGS, Settings
+
+    for variable in NOT_SETTINGS:
+        monkeypatch.setenv(variable, str(tmp_path))
+    assert Settings(_cli_parse_args=[]).port == 8000
 
 
 def test_kvserve_command_spells_settings_as_the_flags_they_parse_from(tmp_path: Path) -> None:
