@@ -171,6 +171,38 @@ def test_models_load_on_demand_and_each_answers_as_it_does_alone(models_dir: Pat
         assert client.get("/server_info").json()["served_model_name"] == "smollm2"  # the first loaded
 
 
+def test_a_probe_of_a_model_not_loaded_reports_it_and_loads_nothing(models_dir: Path) -> None:
+    """`?model=` on /v1/cache or /server_info once loaded the model (and could unload one serving),
+    as Ollama's /api/ps and llama-server's /models report without loading."""
+    with several(models_dir, models_max=1) as (client, _):
+        assert chat(client, "smollm2").status_code == 200
+        cache = client.get("/v1/cache?model=tiny")
+        info = client.get("/server_info?model=tiny")
+        assert cache.status_code == info.status_code == 200, (cache.text, info.text)
+        assert statuses(client)["smollm2"] == "loaded" and statuses(client)["tiny"] == "unloaded"
+        assert cache.json()["status"] == info.json()["status"] == {"value": "unloaded"}
+        assert "pool" not in cache.json() and cache.json()["page_rows"] == 16
+        info = info.json()
+        assert info["served_model_name"] == "tiny" and info["model_path"].endswith("tiny.gguf")
+        assert info["cache"]["ctx_size"] == 512 and "kv_bytes" not in info["cache"]
+        loaded = client.get("/v1/cache?model=smollm2").json()
+        assert loaded["status"] == {"value": "loaded"} and loaded["pool"]["streams"] == 2
+        assert client.get("/server_info?model=smollm2").json()["cache"]["kv_streams"] == 2
+
+
+def test_a_probe_does_not_keep_a_model_loaded(models_dir: Path) -> None:
+    """A dashboard polling /v1/cache or a router polling /server_info is no use of the model: its
+    keep-alive runs out as if nobody looked."""
+    with several(models_dir) as (client, _):
+        assert chat(client, "tiny", keep_alive="2s").status_code == 200
+        deadline = time.monotonic() + 15
+        while statuses(client)["tiny"] == "loaded" and time.monotonic() < deadline:
+            client.get("/v1/cache?model=tiny")
+            client.get("/server_info?model=tiny")
+            time.sleep(0.2)
+        assert statuses(client)["tiny"] == "unloaded"
+
+
 def test_an_engine_idle_beside_another_lets_its_thread_end(models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine idle beside another model's lets the thread it decoded on end (llama.cpp's OpenMP
     workers live as long as that thread, and beside a second set every decode is slower); alone, it

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.scheduler.engine import Engine
 from kvserve.server import prompts
-from kvserve.server.model_set import engine_for
+from kvserve.server.model_set import engine_for, loaded_engine_for
 from kvserve.server.auth import tenant_of
 from kvserve.server.errors import invalid
 from kvserve.server.namespace import request_namespace
@@ -47,12 +47,18 @@ async def cache_view(request: Request, cache_salt: str | None = None, model: str
     pool's counts are the whole model's, its streams of other namespaces show neither rows nor lengths."""
     if cache_salt is not None and not 1 <= len(cache_salt) <= MAX_CACHE_SALT:
         raise invalid(f"cache_salt: a salt has 1 to {MAX_CACHE_SALT} characters", "cache_salt")
-    engine = await engine_for(request, model)
+    models = request.app.state.models
+    engine = loaded_engine_for(request, model)
+    if engine is None:  # a look loads nothing: it says so, and what its settings say
+        served = models.find(model)
+        return {"status": models.describe(served)["status"], "page_rows": served.spec.settings.page_rows,
+                "tiers": _disk_tier(request)}
     pool = engine.pool
     namespace = request_namespace(tenant=tenant_of(request), cache_salt=cache_salt)
 
     def snapshot() -> dict:
         return {
+            "status": {"value": "loaded"},
             "page_rows": engine.settings.page_rows,
             **engine.cache.view(namespace),
             "tiers": _tiers(request, engine),
@@ -67,13 +73,17 @@ async def cache_view(request: Request, cache_salt: str | None = None, model: str
 def _tiers(request: Request, engine: Engine) -> dict:
     """Each tier the model's pages live in: host memory (its own share), and the server's disk tier."""
     stats = engine.cache.stats()
-    out = {"host": {"bytes": stats.held_bytes, "pages": stats.held_pages, "hit_tokens": stats.hit_tokens,
-                    "evicted_pages": stats.evicted_pages}}
+    return {"host": {"bytes": stats.held_bytes, "pages": stats.held_pages, "hit_tokens": stats.hit_tokens,
+                     "evicted_pages": stats.evicted_pages}, **_disk_tier(request)}
+
+
+def _disk_tier(request: Request) -> dict:
+    """The server's disk tier, where it has one, which every model's pages share."""
     disk = getattr(request.app.state.models.persistence, "disk", None)
-    if disk is not None:
-        d = disk.stats()
-        out["disk"] = {"bytes": d.bytes, "pages": d.pages, "budget_bytes": d.budget_bytes, "hits": d.hits,
-                       "writes": d.writes, "written_bytes": d.written_bytes, "read_seconds": round(d.read_seconds, 3),
-                       "write_seconds": round(d.write_seconds, 3), "refused": d.refused,
-                       "dropped_writes": d.dropped_writes, "evictions": d.evictions}
-    return out
+    if disk is None:
+        return {}
+    d = disk.stats()
+    return {"disk": {"bytes": d.bytes, "pages": d.pages, "budget_bytes": d.budget_bytes, "hits": d.hits,
+                     "writes": d.writes, "written_bytes": d.written_bytes, "read_seconds": round(d.read_seconds, 3),
+                     "write_seconds": round(d.write_seconds, 3), "refused": d.refused,
+                     "dropped_writes": d.dropped_writes, "evictions": d.evictions}}

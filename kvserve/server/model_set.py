@@ -7,6 +7,7 @@ closed under a request that still reads it.
 
 Invariants:
 - a model is unloaded only while no lease holds it, and never when pinned (`--model` alone pins it);
+- a probe (`probe`: `/v1/cache`, `/server_info`) loads no model and restarts no keep-alive;
 - at most `--models-max` models are loaded or loading, and their footprints together with the prefix
   cache's budget stay within `--models-mb`; a load that cannot make room is a 503 that says why;
 - loads and unloads run one at a time (`_lock`); a request for a loading model waits for that load;
@@ -100,12 +101,14 @@ class Lease:
     model: ServedModel
     engine: Engine
     released: bool = False
+    used: bool = True  # a request's use, which restarts its keep-alive; a probe's is none
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.model.leases -= 1
-            self.model.last_used = time.monotonic()
+            if self.used:
+                self.model.last_used = time.monotonic()
 
 
 def not_found(name: str | None) -> APIError:
@@ -188,6 +191,15 @@ class ModelSet:
             if lease is None:
                 model.leases -= 1
             model.last_used = time.monotonic()
+
+    def probe(self, name: str | None) -> Lease | None:
+        """`name`'s engine while it is loaded, held as `lease` holds it, for a look that is no use of
+        it: nothing loads for it, and its keep-alive runs on. None where it is not loaded."""
+        model = self.find(name)
+        if model.engine is None:
+            return None
+        model.leases += 1
+        return Lease(model, model.engine, used=False)
 
     async def _kind(self, model: ServedModel) -> str | None:
         """`chat` or `embedding`, read from the model's file as it is now (once per file); None where
@@ -474,7 +486,16 @@ class ReleaseLeases:
 
 async def engine_for(request: Request, name: str | None, *, keep_alive: object = None, generate: bool = False) -> Engine:
     """The engine serving `name` for this request, held until its response is sent (`ReleaseLeases`)."""
-    lease = await request.app.state.models.lease(name, keep_alive=keep_alive, generate=generate)
+    return _held(request, await request.app.state.models.lease(name, keep_alive=keep_alive, generate=generate))
+
+
+def loaded_engine_for(request: Request, name: str | None) -> Engine | None:
+    """`name`'s engine where it is loaded, held as `engine_for` holds it (`ModelSet.probe`), else None."""
+    lease = request.app.state.models.probe(name)
+    return None if lease is None else _held(request, lease)
+
+
+def _held(request: Request, lease: Lease) -> Engine:
     leases = getattr(request.state, "model_leases", None)
     if leases is None:
         leases = request.state.model_leases = []

@@ -14,7 +14,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
-from kvserve.server.model_set import ModelSet, engine_for
+from kvserve.config import ModelSettings
+from kvserve.server.model_set import ModelSet, engine_for, loaded_engine_for
 from kvserve.server import prompts
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -31,45 +32,53 @@ class DetokenizeRequest(BaseModel):
 @router.get("/server_info")
 async def server_info(request: Request, model: str | None = None) -> dict:
     """One model's facts (`?model=`; with several, the first loaded one's unless named), and every
-    model. With several models of which none is loaded and none named, every model alone: a
-    router's probe loads nothing."""
+    model. A model not loaded is reported as its settings say, and stays unloaded; with several
+    models of which none is loaded and none named, every model alone: a router's probe loads nothing."""
     models: ModelSet = request.app.state.models
     listed = [models.describe(m) for m in models.models]
     if model is None and not models.single:
         if not models.loaded:
             return {"version": __version__, "engine": "kvserve", "models": listed}
         model = models.loaded[0].spec.name
-    engine = await engine_for(request, model)
-    s = engine.settings
+    served = models.find(model)
+    engine = loaded_engine_for(request, model)
+    if engine is None:
+        return {**_configured(served.spec.settings, listed), "status": models.describe(served)["status"]}
+    configured = _configured(engine.settings, listed)  # an embedder's are its model's, as it loaded them
     pool = engine.pool
+    return {
+        **configured,
+        "status": {"value": "loaded"},
+        "context_length": engine.max_seq_len,
+        "max_total_tokens": pool.n_cells,
+        "kind": engine.kind,
+        "flash_attn": engine.attention.as_dict(),  # what runs and why (--flash-attn and the self-check)
+        "flash_attn_enabled": engine.pool.ctx.flash_attn,
+        "adapter_switches": engine.scheduler.times.adapter_switches,  # steps that changed the adapter set
+        "speculative": engine.scheduler.speculator.describe(),  # what drafts, within what length
+        "cache": {
+            **configured["cache"],
+            "kind": engine.cache.keeps,
+            "kv_streams": pool.n_streams,  # one per running sequence, of ctx_size cells each
+            "kv_bytes": pool.ctx.kv_bytes,  # the memory of every stream, as llama.cpp allocated it
+            **engine.cache.caps(),  # the limits the cache keeps to (host bytes, checkpoints)
+        },
+    }
+
+
+def _configured(s: ModelSettings, listed: list[dict]) -> dict:
+    """What `/server_info` says of a model from its settings alone: all it says of one not loaded."""
     return {
         "served_model_name": s.served_name,
         "model_path": str(s.model),
         "tp_size": 1,  # one llama.cpp context per replica: scale out with more replicas
         "dp_size": 1,
-        "context_length": engine.max_seq_len,
-        "max_total_tokens": pool.n_cells,
         "version": __version__,
-        "kind": engine.kind,
         "models": listed,
         "engine": "kvserve",
-        "flash_attn": engine.attention.as_dict(),  # what runs and why (--flash-attn and the self-check)
-        "flash_attn_enabled": engine.pool.ctx.flash_attn,
         "lora_adapters": list(s.lora_paths()),  # by name, in id order
-        "adapter_switches": engine.scheduler.times.adapter_switches,  # steps that changed the adapter set
-        "speculative": engine.scheduler.speculator.describe(),  # what drafts, within what length
-        "cache": {
-            "prefix_cache": s.prefix_cache,
-            "kind": engine.cache.keeps,
-            "ctx_size": s.ctx_size,
-            "parallel": s.parallel,
-            "page_rows": s.page_rows,
-            "kv_streams": pool.n_streams,  # one per running sequence, of ctx_size cells each
-            "kv_bytes": pool.ctx.kv_bytes,  # the memory of every stream, as llama.cpp allocated it
-            "cache_type_k": s.cache_type_k,  # how rows are stored, in the streams and in cached pages
-            "cache_type_v": s.cache_type_v,
-            **engine.cache.caps(),  # the limits the cache keeps to (host bytes, checkpoints)
-        },
+        "cache": {"prefix_cache": s.prefix_cache, "ctx_size": s.ctx_size, "parallel": s.parallel,
+                  "page_rows": s.page_rows, "cache_type_k": s.cache_type_k, "cache_type_v": s.cache_type_v},
     }
 
 

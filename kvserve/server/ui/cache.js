@@ -180,6 +180,8 @@ async function refresh() {
     const [cache, metrics, server] = await Promise.all([api(`/v1/cache${query}`), api("/metrics"), api(`/server_info${query}`)]);
     for (const response of [cache, metrics, server]) if (!response.ok) throw new Error(await errorText(response));
     const view = await cache.json();
+    const state = view.status?.value ?? "loaded";
+    if (state !== "loaded") throw new Error(`model ${model} is ${state}`);  // unloaded since it was picked
     const text = await metrics.text();
     const info = await server.json();
     const read = performance.now();
