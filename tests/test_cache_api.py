@@ -67,6 +67,17 @@ def test_bad_match_body_is_a_400(base_url: str) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
+def test_a_prompt_past_the_context_is_the_400_its_request_would_get(base_url: str) -> None:
+    """A router asks whether a request's prefix is cached here: one that leaves no room to generate
+    is refused as its request would be, not matched (a 200 once)."""
+    long = " ".join(["shelf"] * 5000)
+    for route, body in (("/v1/chat/completions", {**_chat(long)}), ("/v1/completions", {"prompt": long})):
+        served = httpx.post(f"{base_url}{route}", json=body, timeout=120)
+        matched = httpx.post(f"{base_url}/v1/prefix/match", json=body, timeout=120)
+        assert matched.status_code == served.status_code == 400, (route, matched.text)
+        assert matched.json() == served.json() and matched.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_hybrid_model_serves_checkpoints(tiny) -> None:
     with serve(tiny("lfm2")) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")

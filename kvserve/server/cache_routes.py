@@ -26,6 +26,7 @@ async def prefix_match(body: dict, request: Request) -> dict:
     parsed = prompts.parse_body(body)
     engine = await engine_for(request, parsed.model)
     tokens = await prompts.prompt_tokens(engine.model, engine.template, parsed)
+    prompts.room_for(tokens, engine.max_seq_len, prompts.prompt_param(parsed))  # refused as its request would be
     namespace = prompts.job_namespace(parsed, tenant_of(request), engine, prompts.adapters_for(engine, parsed))
     key = PrefixKey(namespace, tokens)
 

@@ -306,6 +306,22 @@ def thinking_limit(engine: Engine, syntax: ReasoningSyntax | None, budget: int |
     return ThinkingLimit(syntax, None if budget < 0 else budget, tuple(close))
 
 
+def room_for(prompt: list[int], max_seq_len: int, param: str) -> int:
+    """The tokens `prompt` leaves to generate within `max_seq_len`; a 400 naming `param`, the body's
+    field that holds it, where it is empty or leaves none: a prompt served or matched alike."""
+    if not prompt:
+        raise invalid("the prompt is empty", param)
+    room = max_seq_len - len(prompt)
+    if room < 1:
+        raise context_length_exceeded(max_seq_len, len(prompt), param)
+    return room
+
+
+def prompt_param(body: ChatCompletionRequest | CompletionRequest) -> str:
+    """The field of `body` that holds its prompt."""
+    return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+
+
 def build_request(
     prompt: list[int], body: Sampling, params: SamplingParams, logprobs: int | None, engine: Engine,
     prefix: str, param: str, *, tenant: str | None, marks: list[Mark] | None = None, special_text: bool = False,
@@ -317,12 +333,7 @@ def build_request(
     limits = engine.scheduler.config
     if body.n > limits.max_running:  # its choices decode side by side: they could never all be admitted
         raise invalid(f"n is {body.n}, but this server runs at most {limits.max_running} sequences at once", "n")
-    max_seq_len = limits.max_seq_len
-    if not prompt:
-        raise invalid("the prompt is empty", param)
-    room = max_seq_len - len(prompt)
-    if room < 1:
-        raise context_length_exceeded(max_seq_len, len(prompt), param)
+    room = room_for(prompt, limits.max_seq_len, param)
     return Request(
         id=f"{prefix}-{uuid.uuid4().hex}",
         prompt=prompt,
