@@ -188,6 +188,11 @@ def test_a_probe_of_a_model_not_loaded_reports_it_and_loads_nothing(models_dir: 
         loaded = client.get("/v1/cache?model=smollm2").json()
         assert loaded["status"] == {"value": "loaded"} and loaded["pool"]["streams"] == 2
         assert client.get("/server_info?model=smollm2").json()["cache"]["kv_streams"] == 2
+        assert chat(client, "broken").status_code == 503
+        for path in ("/v1/cache?model=broken", "/server_info?model=broken"):
+            failed = client.get(path).json()
+            assert failed["status"] == {"value": "unloaded", "failed": True} and "broken" in failed["path"], path
+            assert failed["error"], path
 
 
 def test_a_probe_does_not_keep_a_model_loaded(models_dir: Path) -> None:

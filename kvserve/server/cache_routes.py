@@ -52,8 +52,7 @@ async def cache_view(request: Request, cache_salt: str | None = None, model: str
     engine = loaded_engine_for(request, model)
     if engine is None:  # a look loads nothing: it says so, and what its settings say
         served = models.find(model)
-        return {"status": models.describe(served)["status"], "page_rows": served.spec.settings.page_rows,
-                "tiers": _disk_tier(request)}
+        return {**models.describe(served), "page_rows": served.spec.settings.page_rows, "tiers": _disk_tier(request)}
     pool = engine.pool
     namespace = request_namespace(tenant=tenant_of(request), cache_salt=cache_salt)
 

@@ -43,7 +43,7 @@ async def server_info(request: Request, model: str | None = None) -> dict:
     served = models.find(model)
     engine = loaded_engine_for(request, model)
     if engine is None:
-        return {**_configured(served.spec.settings, listed), "status": models.describe(served)["status"]}
+        return {**_configured(served.spec.settings, listed), **models.describe(served)}  # as /v1/models lists it
     configured = _configured(engine.settings, listed)  # an embedder's are its model's, as it loaded them
     pool = engine.pool
     return {
