@@ -17,6 +17,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+# An item's id begins with its type's prefix, whoever made it: an answer's output or an input item.
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def new_item_id(item_type: str) -> str:
+    return new_id(ITEM_ID_PREFIXES[item_type])
+
+
 @dataclass
 class ResponseHead:
     """What a response says whatever its state: its id, the model, and the request's settings echoed."""

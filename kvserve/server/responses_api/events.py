@@ -10,7 +10,7 @@ from kvserve.scheduler.request import Delta, FinishReason, RequestOutput
 from kvserve.server.responses import LogprobFormatter
 from kvserve.reply import Ended, ReasoningDelta, ReplyEvent, ReplyPlan
 from kvserve.server.responses_api.bodies import (
-    ResponseHead, function_call_item, message_item, new_id, output_text, reasoning_item, reasoning_text,
+    ResponseHead, function_call_item, message_item, new_item_id, output_text, reasoning_item, reasoning_text,
 )
 from kvserve.tools import CallStarted, ContentDelta
 
@@ -108,7 +108,7 @@ class ResponseEvents:
                                      content_index=0, delta=delta)]
 
     def _open_reasoning(self) -> list[dict]:
-        self._item = item = _OpenItem(new_id("rs"), len(self.output), "reasoning")
+        self._item = item = _OpenItem(new_item_id("reasoning"), len(self.output), "reasoning")
         return [
             self._event("response.output_item.added", output_index=item.output_index,
                         item=reasoning_item(item.id, "in_progress", None)),
@@ -127,7 +127,7 @@ class ResponseEvents:
                                      content_index=0, delta=delta, logprobs=logprobs)]
 
     def _open_message(self) -> list[dict]:
-        self._item = item = _OpenItem(new_id("msg"), len(self.output))
+        self._item = item = _OpenItem(new_item_id("message"), len(self.output))
         return [
             self._event("response.output_item.added", output_index=item.output_index,
                         item=message_item(item.id, "in_progress", [])),
@@ -136,7 +136,7 @@ class ResponseEvents:
         ]
 
     def _open_call(self, call: CallStarted) -> list[dict]:
-        self._item = item = _OpenItem(new_id("fc"), len(self.output), "function_call", call)
+        self._item = item = _OpenItem(new_item_id("function_call"), len(self.output), "function_call", call)
         return [self._event("response.output_item.added", output_index=item.output_index,
                             item=function_call_item(item.id, call.id, call.name, "", "in_progress"))]
 

@@ -17,26 +17,25 @@ from __future__ import annotations
 from typing import Literal
 
 from kvserve.server.errors import invalid
-from kvserve.server.responses_api.bodies import new_id
+from kvserve.server.responses_api.bodies import ITEM_ID_PREFIXES, new_item_id
 from kvserve.server.responses_api.schemas import (
     FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ReasoningItem,
 )
 from kvserve.server.responses_api.store import StoredResponse
 
 Order = Literal["asc", "desc"]
-_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def with_id(item: InputItem) -> InputItem:
     """`item`, with a new id of its type's prefix unless the client gave it one."""
-    return item if item.id else item.model_copy(update={"id": new_id(_PREFIXES[item.type])})
+    return item if item.id else item.model_copy(update={"id": new_item_id(item.type)})
 
 
 def input_items(stored: StoredResponse) -> list[dict]:
     """The items `stored` was generated from, oldest first, in OpenAI's item shapes."""
     seen = stored.context[:len(stored.context) - len(stored.body["output"])]
     fallback = stored.body["id"].removeprefix("resp_")
-    return [_listed(item, item.id or f"{_PREFIXES[item.type]}_{fallback}_{index}") for index, item in enumerate(seen)]
+    return [_listed(item, item.id or f"{ITEM_ID_PREFIXES[item.type]}_{fallback}_{index}") for index, item in enumerate(seen)]
 
 
 def page(items: list[dict], order: Order, limit: int, after: str | None, before: str | None) -> dict:
