@@ -49,16 +49,15 @@ async def cache_view(request: Request, cache_salt: str | None = None, model: str
     if cache_salt is not None and not 1 <= len(cache_salt) <= MAX_CACHE_SALT:
         raise invalid(f"cache_salt: a salt has 1 to {MAX_CACHE_SALT} characters", "cache_salt")
     models = request.app.state.models
-    engine = loaded_engine_for(request, model)
+    served, engine = models.find(model), loaded_engine_for(request, model)
     if engine is None:  # a look loads nothing: it says so, and what its settings say
-        served = models.find(model)
         return {**models.describe(served), "page_rows": served.spec.settings.page_rows, "tiers": _disk_tier(request)}
     pool = engine.pool
     namespace = request_namespace(tenant=tenant_of(request), cache_salt=cache_salt)
 
     def snapshot() -> dict:
         return {
-            "status": {"value": "loaded"},
+            "status": {"value": served.status.value},
             "page_rows": engine.settings.page_rows,
             **engine.cache.view(namespace),
             "tiers": _tiers(request, engine),

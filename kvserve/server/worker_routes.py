@@ -48,7 +48,7 @@ async def server_info(request: Request, model: str | None = None) -> dict:
     pool = engine.pool
     return {
         **configured,
-        "status": {"value": "loaded"},
+        "status": {"value": served.status.value},
         "context_length": engine.max_seq_len,
         "max_total_tokens": pool.n_cells,
         "kind": engine.kind,
