@@ -1,0 +1,411 @@
+"""Runs: a long chain of pages kept a second time on disk, whole, in one file that llama.cpp reads
+itself (`Context.load_seq_file`: a layer at a time, straight into the cache), so a restart restores
+a long prompt in one pass instead of one read per page into a blob and a copy of the blob. At 8,192
+tokens of a 1.5B that is 40-44 ms, the checksum included, against 60-90 ms from 512 page files.
+
+The page files stay the truth: a run is used only for pages the disk tier matched. It is named by
+the key of its last page and lists every page's key (page keys chain, so a key names every page
+before it, their tokens and their namespace): a prompt whose matched pages end inside a run (the
+same document, another question) restores the run and cuts it there. The store knows nothing of
+llama.cpp: a run's body is the bytes its writer was given.
+
+Layout under `directory` (the disk tier's folder's `runs/`, under the disk tier's lock):
+
+    <64 hex key>.run        the body, its pages' keys, then the trailer
+    <64 hex key>.run.tmp    a run being written (removed at start)
+
+After the body, integers little-endian: n_pages keys (32 bytes each, the last is the run's name),
+then the trailer: magic b"KVSRUN\\0\\0" | u32 version | key (32 bytes) | u32 n_pages | u64 body bytes |
+u64 XXH3-64 of everything before it.
+
+Invariants:
+- budget: the runs' files and the one being written never exceed `budget_bytes`; the writer evicts
+  the least recently used runs first, and a run larger than the budget is not written;
+- crash safety: a run is written under a temporary name, fsynced, then renamed, and the folder
+  fsynced; a kill leaves at most a temporary file, removed at the next start;
+- nothing trusted: the start scan drops a file whose trailer does not parse, whose name is not its
+  key, whose last listed key is not its name or whose size is not its trailer's; `open` checks the trailer again, `Opened.verify` the
+  checksum of the open file (`Opened.path` names the open descriptor, so llama.cpp reads the very
+  inode checked, even if a newer run replaces the name), and `refuse` removes a file found wrong
+  (counted in `refused`);
+- a run written for the pages `keys` removes the runs named by their earlier keys: those pages are
+  its prefix (a conversation keeps one run, its latest);
+- the engine never waits on a write: `put` queues at most `QUEUE` runs (a newer one drops the oldest
+  waiting, counted), and their bodies are built on the writer thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+_log = logging.getLogger("kvserve.cache")
+
+MAGIC = b"KVSRUN\0\0"
+VERSION = 1
+SUFFIX = ".run"
+TMP_SUFFIX = ".run.tmp"
+QUEUE = 2  # runs waiting to be written: each holds its pages' memory until it is
+MIN_TOKENS = 1024  # a shorter prompt reads its few pages as fast as a run (2,048 tokens: 1.19x llama-server)
+_TRAILER = struct.Struct("<8sI32sIQ")  # magic, version, key, n_pages, body bytes
+_SUM = struct.Struct("<Q")
+TRAILER_BYTES = _TRAILER.size + _SUM.size
+KEY_BYTES = 32
+_CHUNK = 8 << 20  # bytes `verify` reads at once
+
+Body = Sequence["bytes | bytearray | memoryview | np.ndarray"]
+
+
+@dataclass(eq=False)
+class _Run:
+    keys: tuple[bytes, ...]  # its pages' keys: the last is its name
+    size: int  # file bytes
+    last_access: int
+
+    @property
+    def key(self) -> bytes:
+        return self.keys[-1]
+
+
+@dataclass(eq=False)
+class _Job:
+    keys: tuple[bytes, ...]  # every page's key, in order: the run is named by the last
+    body: Callable[[], Body]
+
+
+@dataclass(frozen=True)
+class RunStats:
+    runs: int
+    bytes: int
+    budget_bytes: int
+    hits: int
+    writes: int
+    written_bytes: int
+    write_seconds: float
+    refused: int
+    dropped_writes: int
+    evictions: int
+
+
+class Opened:
+    """A run's file, open. `path` names the open descriptor: what llama.cpp reads through it is
+    what `verify` checks."""
+
+    def __init__(self, fd: int, checked: int, checksum: int) -> None:
+        self._fd, self._checked, self._checksum = fd, checked, checksum
+
+    @property
+    def path(self) -> str:
+        return f"/proc/self/fd/{self._fd}"
+
+    def verify(self) -> bool:
+        """Whether the file's checksum is right (its body and trailer, read in chunks). Safe on
+        another thread while llama.cpp reads the file."""
+        digest = xxhash.xxh3_64()
+        buffer = memoryview(bytearray(_CHUNK))
+        at, end = 0, self._checked
+        try:
+            while at < end:
+                n = os.preadv(self._fd, [buffer[: min(_CHUNK, end - at)]], at)
+                if n <= 0:
+                    return False
+                digest.update(buffer[:n])
+                at += n
+        except OSError:
+            return False
+        return digest.intdigest() == self._checksum
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "Opened":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RunStore:
+    """Runs in files under `directory`, at most `budget_bytes` of them; `min_tokens`: the shortest
+    run worth a file of its own."""
+
+    def __init__(self, directory: Path, budget_bytes: int, min_tokens: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.budget_bytes = budget_bytes
+        self.min_tokens = MIN_TOKENS if min_tokens is None else min_tokens
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._runs: dict[bytes, _Run] = {}
+        self._holding: dict[bytes, set[bytes]] = {}  # a page's key -> the runs that hold it
+        self._clock = 0
+        self._bytes = 0
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._busy = 0
+        self._closing = False
+        self._hits = self._writes = self._written_bytes = self._refused = self._dropped = self._evictions = 0
+        self._write_seconds = 0.0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._scan()
+        self._evict(self._bytes - budget_bytes)
+        self._writer = threading.Thread(target=self._write_loop, name="kvserve-run-writer", daemon=True)
+        self._writer.start()
+
+    def _scan(self) -> None:
+        found = []
+        for file in os.scandir(self.directory):
+            if file.name.endswith(TMP_SUFFIX):
+                _unlink(file.path)
+            elif file.name.endswith(SUFFIX):
+                try:
+                    with open(file.path, "rb", buffering=0) as f:
+                        st = os.fstat(f.fileno())
+                        keys, _ = _listed(f.fileno(), st.st_size)
+                    if file.name != keys[-1].hex() + SUFFIX:
+                        raise RunFileError("the file's name is not its key")
+                except (RunFileError, OSError) as exc:
+                    _log.warning("runs: removing %s: %s", file.path, exc)
+                    _unlink(file.path)
+                    self._refused += 1
+                    continue
+                found.append((st.st_mtime_ns, keys, st.st_size))
+        for _mtime, keys, size in sorted(found):
+            self._add(keys, size)
+
+    # -- reading --------------------------------------------------------------------------------------
+
+    def find(self, page: bytes) -> tuple[bytes, int] | None:
+        """The shortest run holding the page keyed `page`: its name and page count; or None (no IO)."""
+        with self._lock:
+            runs = [self._runs[name] for name in self._holding.get(page, ())]
+        if not runs:
+            return None
+        run = min(runs, key=lambda r: len(r.keys))
+        return run.key, len(run.keys)
+
+    def open(self, key: bytes) -> Opened | None:
+        """The run named `key`, open with its trailer and keys checked against the index (a hit: it
+        turns most recently used), or None: not there, or refused (then removed)."""
+        with self._lock:
+            run = self._runs.get(key)
+        if run is None:
+            return None
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._forget(key, "the file is gone")
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            keys, checksum = _listed(fd, size)
+            if keys != run.keys:
+                raise RunFileError("the file lists other pages than its name's")
+        except (RunFileError, OSError) as exc:
+            os.close(fd)
+            self.refuse(key, str(exc))
+            return None
+        with self._lock:
+            self._hits += 1
+            self._clock += 1
+            run.last_access = self._clock
+        try:
+            os.utime(path)  # recency a restart reads
+        except OSError:
+            pass
+        return Opened(fd, size - _SUM.size, checksum)
+
+    def refuse(self, key: bytes, problem: str) -> None:
+        """The run named `key` was found wrong: remove it, and count it."""
+        _log.warning("runs: refusing %s: %s", key.hex(), problem)
+        with self._lock:
+            self._refused += 1
+        self._forget(key, problem)
+
+    def _forget(self, key: bytes, problem: str) -> None:
+        with self._lock:
+            self._drop(key)
+        _unlink(self._path(key))
+
+    # -- writing --------------------------------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], body: Callable[[], Body]) -> None:
+        """Queue the run of the pages `keys` (its body built on the writer thread by `body()`)."""
+        with self._lock:
+            if self._closing:
+                return
+            if len(self._queue) >= QUEUE:
+                self._queue.popleft()
+                self._busy -= 1
+                self._dropped += 1
+            self._queue.append(_Job(tuple(keys), body))
+            self._busy += 1
+            self._work.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued run is written; False if `timeout` ran out first."""
+        with self._lock:
+            return self._work.wait_for(lambda: self._busy == 0, timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                self._work.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            try:
+                self._write(job)
+            except Exception:  # noqa: BLE001
+                _log.exception("runs: writing %s", job.keys[-1].hex())
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                    self._work.notify_all()
+
+    def _write(self, job: _Job) -> None:
+        key = job.keys[-1]
+        for earlier in job.keys[:-1]:  # a prefix of this run: superseded
+            if earlier in self._runs:
+                self._forget(earlier, "superseded")
+        start = time.perf_counter()
+        views = [memoryview(np.ascontiguousarray(p) if isinstance(p, np.ndarray) else p).cast("B") for p in job.body()]
+        views.append(memoryview(b"".join(job.keys)))
+        body = sum(v.nbytes for v in views) - len(job.keys) * KEY_BYTES
+        size = body + len(job.keys) * KEY_BYTES + TRAILER_BYTES
+        if size > self.budget_bytes:
+            return
+        with self._lock:
+            old = self._runs.get(key)
+        self._evict(self._bytes - (old.size if old else 0) + size - self.budget_bytes, keep=key)
+        final = self._path(key)
+        tmp = final[: -len(SUFFIX)] + TMP_SUFFIX
+        try:
+            trailer = _TRAILER.pack(MAGIC, VERSION, key, len(job.keys), body)
+            digest = xxhash.xxh3_64()
+            with open(tmp, "wb") as f:
+                for view in views:
+                    f.write(view)
+                    digest.update(view)
+                digest.update(trailer)
+                f.write(trailer + _SUM.pack(digest.intdigest()))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+        except OSError as exc:
+            _log.warning("runs: could not write %s: %s", final, exc)
+            _unlink(tmp)
+            return
+        with self._lock:
+            if old is not None and self._runs.get(key) is old:
+                self._drop(key)
+            self._add(job.keys, size)
+            self._writes += 1
+            self._written_bytes += size
+            self._write_seconds += time.perf_counter() - start
+
+    def _evict(self, nbytes: int, keep: bytes = b"") -> None:
+        """Remove the least recently used runs (never `keep`) until `nbytes` are freed."""
+        while nbytes > 0:
+            with self._lock:
+                others = [run for run in self._runs.values() if run.key != keep]
+                if not others:
+                    return
+                run = min(others, key=lambda r: r.last_access)
+                self._drop(run.key)
+                self._evictions += 1
+            _unlink(self._path(run.key))
+            nbytes -= run.size
+
+    def _add(self, keys: tuple[bytes, ...], size: int) -> None:
+        self._clock += 1
+        self._runs[keys[-1]] = _Run(keys, size, self._clock)
+        self._bytes += size
+        for page in keys:
+            self._holding.setdefault(page, set()).add(keys[-1])
+
+    def _drop(self, key: bytes) -> None:
+        """Take the run named `key` out of the index (under the lock)."""
+        run = self._runs.pop(key, None)
+        if run is None:
+            return
+        self._bytes -= run.size
+        for page in run.keys:
+            held = self._holding.get(page)
+            if held is not None:
+                held.discard(key)
+                if not held:
+                    del self._holding[page]
+
+    def _path(self, key: bytes) -> str:
+        return str(self.directory / (key.hex() + SUFFIX))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued (up to `timeout`), then stop the writer."""
+        self.flush(timeout)
+        with self._lock:
+            self._closing = True
+            self._queue.clear()
+            self._work.notify_all()
+        self._writer.join(timeout)
+
+    def stats(self) -> RunStats:
+        with self._lock:
+            return RunStats(runs=len(self._runs), bytes=self._bytes, budget_bytes=self.budget_bytes, hits=self._hits,
+                            writes=self._writes, written_bytes=self._written_bytes,
+                            write_seconds=self._write_seconds, refused=self._refused, dropped_writes=self._dropped,
+                            evictions=self._evictions)
+
+
+class RunFileError(Exception):
+    """A run's file is not what its name and trailer say."""
+
+
+def _listed(fd: int, size: int) -> tuple[tuple[bytes, ...], int]:
+    """The page keys a run file lists and its checksum; RunFileError unless its trailer parses, the
+    last key listed is the trailer's, and the file's size is what the trailer says."""
+    if size < TRAILER_BYTES:
+        raise RunFileError("shorter than a trailer")
+    data = os.pread(fd, TRAILER_BYTES, size - TRAILER_BYTES)
+    if len(data) != TRAILER_BYTES:
+        raise RunFileError("the trailer could not be read")
+    magic, version, key, n_pages, body = _TRAILER.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        raise RunFileError("not a run file of this version")
+    expected = body + n_pages * KEY_BYTES + TRAILER_BYTES
+    if expected != size or n_pages < 1:
+        raise RunFileError(f"{size} bytes where the trailer says {expected}")
+    listed = os.pread(fd, n_pages * KEY_BYTES, body)
+    keys = tuple(listed[i : i + KEY_BYTES] for i in range(0, len(listed), KEY_BYTES))
+    if len(keys) != n_pages or keys[-1] != key:
+        raise RunFileError("its last page's key is not the trailer's")
+    return keys, _SUM.unpack_from(data, _TRAILER.size)[0]
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        _log.warning("runs: could not remove %s: %s", path, exc)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

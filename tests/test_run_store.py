@@ -1,0 +1,197 @@
+"""The run store alone (no llama.cpp): runs written behind, found again after a restart, checked by
+trailer and checksum, kept within their budget, superseded by longer runs of the same chain, and a
+writer that never holds up `put`."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvserve.cache.run_store import KEY_BYTES, QUEUE, SUFFIX, TMP_SUFFIX, TRAILER_BYTES, RunStore
+
+
+SIZE = 1000 + KEY_BYTES + TRAILER_BYTES  # a one-page run of the bodies below
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def body(size: int, fill: int = 7) -> list[bytes]:
+    return [bytes([fill]) * (size // 2), bytes([fill + 1]) * (size - size // 2)]
+
+
+def file_of(store: RunStore, k: bytes) -> Path:
+    return store.directory / (k.hex() + SUFFIX)
+
+
+def written(store: RunStore, keys: list[bytes], size: int = 1000, fill: int = 7) -> None:
+    store.put(keys, lambda: body(size, fill))
+    assert store.flush(10)
+
+
+def test_a_run_is_written_found_opened_and_verified(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        written(store, [key(1), key(2), key(3)])
+        # every page it holds finds it; a page of no run finds nothing
+        assert [store.find(key(i)) for i in (1, 2, 3, 4)] == [(key(3), 3)] * 3 + [None]
+        assert file_of(store, key(3)).stat().st_size == SIZE + 2 * KEY_BYTES
+        with store.open(key(3)) as opened:
+            assert opened.verify()
+            assert Path(opened.path).read_bytes()[:1000] == b"".join(body(1000))
+        assert store.open(key(2)) is None  # a page of it, not its name
+        stats = store.stats()
+        assert (stats.runs, stats.bytes, stats.writes, stats.hits) == (1, SIZE + 2 * KEY_BYTES, 1, 1)
+    finally:
+        store.close()
+
+
+def test_a_restart_finds_the_runs_and_drops_what_is_not_one(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    written(store, [key(1)])
+    written(store, [key(2), key(4)])
+    store.close()
+    (tmp_path / (key(9).hex() + TMP_SUFFIX)).write_bytes(b"half a run")
+    misnamed = tmp_path / (key(5).hex() + SUFFIX)
+    misnamed.write_bytes(file_of(store, key(1)).read_bytes())  # a run under another's name
+    cut = file_of(store, key(4))
+    cut.write_bytes(cut.read_bytes()[:-3])
+    (tmp_path / "notes.txt").write_text("not ours")
+    again = RunStore(tmp_path, 1 << 20)
+    try:
+        assert again.find(key(1)) == (key(1), 1) and again.find(key(4)) is None and again.find(key(5)) is None
+        assert again.stats().refused == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([key(1).hex() + SUFFIX, "notes.txt"])
+    finally:
+        again.close()
+
+
+def test_a_flipped_byte_fails_the_checksum_and_refuse_removes_the_file(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        written(store, [key(1), key(2)])
+        path = file_of(store, key(2))
+        data = bytearray(path.read_bytes())
+        data[10] ^= 0x01
+        path.write_bytes(bytes(data))
+        with store.open(key(2)) as opened:
+            assert not opened.verify()
+        store.refuse(key(2), "checksum mismatch")
+        assert not path.exists() and store.find(key(1)) is None and store.stats().refused == 1
+    finally:
+        store.close()
+
+
+def test_a_trailer_naming_another_run_is_refused_at_open(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        written(store, [key(1)])
+        written(store, [key(2)], fill=9)
+        file_of(store, key(2)).write_bytes(file_of(store, key(1)).read_bytes())  # swapped in while serving
+        assert store.open(key(2)) is None
+        assert store.stats().refused == 1 and not file_of(store, key(2)).exists()
+    finally:
+        store.close()
+
+
+def test_the_open_file_is_what_verify_reads_even_once_replaced(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        written(store, [key(1)])
+        with store.open(key(1)) as opened:
+            os.replace(_forged(tmp_path, store), file_of(store, key(1)))
+            assert opened.verify()  # the inode opened, not the name
+    finally:
+        store.close()
+
+
+def _forged(tmp_path: Path, store: RunStore) -> Path:
+    other = tmp_path / "forged"
+    data = bytearray(file_of(store, key(1)).read_bytes())
+    data[0] ^= 0xFF
+    other.write_bytes(bytes(data))
+    return other
+
+
+def test_the_budget_evicts_the_least_recently_used_and_skips_a_run_too_large(tmp_path: Path) -> None:
+    size = SIZE
+    store = RunStore(tmp_path, 3 * size)
+    try:
+        for i in (1, 2, 3):
+            written(store, [key(i)])
+        with store.open(key(1)):  # used: now the most recent
+            pass
+        written(store, [key(4)])
+        assert [store.find(key(i)) for i in (1, 2, 3, 4)] == [(key(1), 1), None, (key(3), 1), (key(4), 1)]
+        assert store.stats().bytes == 3 * size and store.stats().evictions == 1
+        written(store, [key(5)], size=4 * size)
+        assert store.find(key(5)) is None and store.stats().bytes <= store.budget_bytes
+        assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= store.budget_bytes
+    finally:
+        store.close()
+
+
+def test_a_restart_with_a_smaller_budget_evicts_down_to_it(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    for i in (1, 2, 3):
+        written(store, [key(i)])
+    store.close()
+    again = RunStore(tmp_path, 2 * SIZE)
+    try:
+        assert again.stats().runs == 2 and again.find(key(1)) is None
+    finally:
+        again.close()
+
+
+def test_a_longer_run_of_the_same_chain_supersedes_the_shorter(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        written(store, [key(1), key(2)])
+        written(store, [key(7)])
+        written(store, [key(1), key(2), key(3)])
+        assert store.find(key(2)) == (key(3), 3) and store.find(key(7)) == (key(7), 1)
+        assert not file_of(store, key(2)).exists() and store.stats().runs == 2
+    finally:
+        store.close()
+
+
+def test_put_never_waits_for_the_writer_and_the_queue_is_bounded(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    started, gate = threading.Event(), threading.Event()
+    try:
+        store.put([key(1)], lambda: (started.set(), gate.wait(10), body(100))[2])
+        assert started.wait(10)  # the writer is busy with that one
+        for i in range(2, 3 + QUEUE + 2):
+            store.put([key(i)], lambda: body(100))
+        assert store.stats().dropped_writes == 3
+        gate.set()
+        assert store.flush(10)
+        assert store.stats().runs == 1 + QUEUE
+    finally:
+        gate.set()
+        store.close()
+
+
+def test_a_body_that_raises_writes_nothing_and_the_writer_goes_on(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        store.put([key(1)], lambda: 1 / 0)
+        written(store, [key(2)])
+        assert store.find(key(1)) is None and store.find(key(2)) == (key(2), 1)
+        assert not any(p.name.endswith(TMP_SUFFIX) for p in tmp_path.iterdir())
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("size", [0, TRAILER_BYTES - 1])
+def test_a_file_shorter_than_a_trailer_is_refused(tmp_path: Path, size: int) -> None:
+    (tmp_path / (key(1).hex() + SUFFIX)).write_bytes(b"x" * size)
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        assert store.find(key(1)) is None and store.stats().refused == 1
+    finally:
+        store.close()
