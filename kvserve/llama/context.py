@@ -261,6 +261,18 @@ class Context:
         if read != buf.size:
             raise RuntimeError(f"llama.cpp restored {read} of {buf.size} state bytes for seq {seq}")
 
+    def load_seq_file(self, seq: int, path: str, capacity: int) -> list[int] | None:
+        """Replace `seq`'s memory with a sequence file's (`llama_state_seq_load_file`: read a layer at a
+        time, straight into the cache): the tokens the file names, at most `capacity`, or None where
+        llama.cpp refuses the file (`seq` is empty then)."""
+        tokens = (llama_cpp.llama_token * capacity)()
+        count = ctypes.c_size_t(0)
+        read = llama_cpp.llama_state_seq_load_file(self._ptr, path.encode(), seq, tokens, capacity, ctypes.byref(count))
+        if not read:
+            self.seq_rm(seq)
+            return None
+        return tokens[: count.value]
+
 
 # llama.cpp's log lines for flash attention turned on under `auto`
 _FLASH_ON = re.compile(r"Flash Attention enabled|enabling flash_attn|flash_attn\s*=\s*enabled")

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Sequence
 
 import llama_cpp
 import numpy as np
@@ -443,6 +444,18 @@ class SeqState:
         slots, end = _lay_section(out, _HEADER_BYTES, layout[0], 0, n)
         assert end == out.size
         return Restore(self, n, out, slots)
+
+    def run_file(self, pages: list[KvPage], tokens: Sequence[int]) -> list[np.ndarray]:
+        """`pages` (consecutive from position 0, one KV section) as the file `llama_state_seq_save_file`
+        writes, which `Context.load_seq_file` restores: u32 magic, u32 version, u32 n_tokens, the
+        tokens (`tokens`' first n), then the state `llama_state_seq_get_data` writes, less its own
+        header. In buffers of its own: safe on any thread once the layout is known."""
+        n = pages[-1].end
+        if len(tokens) < n:
+            raise ValueError(f"{len(tokens)} tokens for a run of {n} positions")
+        blob = self.assemble(pages, n)
+        head = np.asarray([llama_cpp.LLAMA_STATE_SEQ_MAGIC, llama_cpp.LLAMA_STATE_SEQ_VERSION, n], "<u4")
+        return [head.view(np.uint8), np.asarray(tokens[:n], "<i4").view(np.uint8), blob[_HEADER_BYTES:]]
 
     def _blob(self, nbytes: int) -> np.ndarray:
         """`nbytes` of the one buffer every blob on its way into or out of llama.cpp passes through,
