@@ -38,6 +38,12 @@ run whose pages before it left host memory meanwhile stays on disk. A sliding-wi
 them into the tree and the host store at attach, its window checked first.
 Pages evicted from host memory stay on disk. Each page entering or leaving host memory is an event
 (`Tiers.events`); the disk store announces its own.
+
+With runs (`Tiers.runs`, run_store.py; one KV section only), a session that ends with its whole
+chain in host memory, `min_tokens` or longer, has the chain written again as one run; an attach
+from disk whose pages a run holds (one at most `RUN_WASTE` times as long) restores the run instead
+of reading the pages, checked as it loads, and cut after the prompt's pages (`_load_run`). Runs are
+never announced and never lengthen a match: they only restore pages the match found.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class Chain:
 
 # Runs waiting to be read into host memory at most: each holds its tail's pages (on disk too) until then
 MAX_PROMOTIONS = 16
+RUN_WASTE = 2  # the most a run may be longer than the pages it restores
 
 
 @dataclass
@@ -243,6 +250,8 @@ class PageCache(PrefixCache):
         file that fails a check ends the run before it."""
         pages = [self.store.get(node) for node in path]
         n_pages = len(path) + len(keys)
+        if self._load_run(session, key, [node.key for node in path] + keys):
+            return self._attached(session, key, path, self._rows_of(key, n_pages))
         while n_pages > len(path):
             n = self._rows_of(key, n_pages)
             restore = self.rows.restore(n)
@@ -254,6 +263,48 @@ class PageCache(PrefixCache):
                 return self._attached(session, key, path, n)
             n_pages = taken
         return self._attach_pages(session, key, path, pages)
+
+    def _load_run(self, session: Session, key: PrefixKey, keys: list[bytes]) -> bool:
+        """Restore the pages of `keys` (all of them, from the first) from a run that holds them, where
+        the run store has one no more than twice as long: llama.cpp reads the file into the stream
+        while a reading thread checks its checksum, the tokens it names must be the prompt's, and
+        what follows the prompt's pages is cut. Whether it did; a run found wrong leaves the stream
+        empty, is removed, and the pages are read instead."""
+        found = self._run_for(keys[-1], len(keys)) if keys else None
+        if found is None:
+            return False
+        runs, (name, n_pages) = self.tiers.runs, found
+        assert runs is not None
+        opened = runs.open(name)
+        if opened is None:
+            return False
+        whole, matched, seq = n_pages * self.page_rows, len(keys) * self.page_rows, session.seq
+        with opened:
+            checked = self._reader.submit(opened.verify)
+            tokens = self.ctx.load_seq_file(seq, opened.path, whole)
+            right = checked.result()
+        n = self._rows_of(key, len(keys))
+        if tokens is None:
+            problem = "llama.cpp refused it"
+        elif not right:
+            problem = "checksum mismatch"
+        elif len(tokens) != whole or tokens[:matched] != list(key.tokens[:matched]) or self.ctx.seq_pos_max(seq) != whole - 1:
+            problem = "it holds other tokens or positions than its pages' keys say"
+        elif n < whole and not self.ctx.seq_rm(seq, n, -1):
+            problem = "it could not be cut to the prompt's pages"
+        else:
+            return True
+        self.ctx.seq_rm(seq)
+        runs.refuse(name, problem)
+        return False
+
+    def _run_for(self, page: bytes, n_pages: int) -> tuple[bytes, int] | None:
+        """The shortest run holding the page keyed `page` (page `n_pages - 1` of its chain), where it
+        is at most `RUN_WASTE` times as long (past that, reading the pages costs less than reading the
+        whole run): its name and page count."""
+        runs = self.tiers.runs
+        found = runs.find(page) if runs is not None else None
+        return found if found is not None and found[1] <= RUN_WASTE * n_pages else None
 
     def _read_into(self, restore: Restore, keys: list[bytes], first: int) -> int:
         """Read the pages of `keys` (page `first` on) from disk into `restore`, on this thread and a
@@ -389,12 +440,27 @@ class PageCache(PrefixCache):
                 self._promote(preview, key, len(path), on_disk, tail)
             return None
         if len(path) == n_pages:
+            if ending:
+                self._write_run(path, tokens)
             return None
         pages = self.rows.donate(session.seq, self.page_rows, len(path), n_pages - len(path))
         chain, added = self._add_chain(session, key, path, pages, preview)
         last = (path + added)[-1] if path or added else self.tree.root(session.namespace)
         self._write_unkept(session.namespace, last.key, tokens, pages[len(added):])
+        if ending and len(added) == len(pages):
+            self._write_run(path + added, tokens)
         return chain if added else None
+
+    def _write_run(self, nodes: list[PageNode], tokens: list[int]) -> None:
+        """As a session ends, where a run store takes runs this long: the whole chain of `nodes` (pages
+        0.. of `tokens`, all in host memory) as one run, unless it is there already. Built and written
+        on the store's writer thread, from the pages as they are now."""
+        runs = self.tiers.runs
+        if (runs is None or self.rows.n_swa or not nodes or len(nodes) * self.page_rows < runs.min_tokens
+                or self._run_for(nodes[-1].key, len(nodes)) is not None):
+            return
+        pages = [self.store.peek(node) for node in nodes]
+        runs.put([node.key for node in nodes], lambda: self.rows.run_file(pages, tokens))
 
     def _keep_window(self, session: Session, n: int) -> None:
         """Make the pages before `n`, where the session stands, hold the window's rows for position

@@ -1,0 +1,187 @@
+"""Runs on real llama.cpp (run_store.py): a long chain of pages, once donated whole, is written again
+as one file that llama.cpp reads itself; after a restart a prompt restored from it generates what it
+generates from scratch, whether the run ends with the prompt's pages or goes on past them (then it
+is cut). A run with a flipped byte, cut short, or another prompt's rows under a forged name and
+checksum is refused, counted and removed, and the pages restore the prompt instead, equal to
+scratch. A loader that took the file's word for its tokens would attach another prompt's rows: the
+comparison catches that mutation."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import xxhash
+
+from conftest import engine, run_traced, served, settings
+from equality import SMOLLM2_TOLERANCE, assert_like_alone
+from kvserve.cache.disk_store import DiskStore
+from kvserve.cache.prefix_key import PrefixKey
+from kvserve.cache.run_store import KEY_BYTES, MAGIC, SUFFIX, VERSION, RunStore
+from kvserve.cache.tiers import Tiers
+from kvserve.llama.context import Context
+from kvserve.scheduler.engine import Engine
+from test_disk_tier import TEXT, _alone, traced
+
+MIB = 1024 * 1024
+OTHER = TEXT.replace("harbour master", "lighthouse keeper").replace("ship", "storm")
+
+
+@contextlib.contextmanager
+def run_engine(model: Path, folder: Path) -> Iterator[Engine]:
+    """An engine whose pages go to a disk store in `folder`, and whose chains of 32 tokens or more to
+    runs in `folder/runs`; closing it writes what is queued."""
+    chosen = settings(model)
+    disk = DiskStore(folder, 256 * MIB)
+    runs = RunStore(folder / "runs", 256 * MIB, min_tokens=32)
+    loaded = Engine.load(chosen.model_settings(), chosen, tiers=Tiers(disk=disk, tag="m", runs=runs))
+    try:
+        yield loaded
+    finally:
+        disk.flush(30)
+        runs.flush(30)
+        loaded.close()
+        runs.close()
+        disk.close()
+
+
+def serve(model: Path, folder: Path, prompt: list[int]) -> tuple[list, int, Engine]:
+    """Serve `prompt` on a fresh engine over `folder`: its trace, the tokens it attached, and the engine
+    (closed by then: its stores' stats stay readable)."""
+    with run_engine(model, folder) as e:
+        request = traced(prompt)
+        out = run_traced(e, [request])[request.id]
+        return out, request.state.cached_tokens, e
+
+
+def tokens_of(model: Path, *texts: str) -> list[list[int]]:
+    with engine(model) as e:
+        return [e.model.tokenize(text, add_special=True) for text in texts]
+
+
+def run_files(folder: Path) -> list[Path]:
+    return sorted((folder / "runs").glob("*" + SUFFIX))
+
+
+def test_a_restart_restores_the_prompt_from_its_run_and_equals_scratch(smollm2: Path, tmp_path: Path) -> None:
+    prompt = tokens_of(smollm2, TEXT)[0]
+    _, _, first = serve(smollm2, tmp_path, prompt)
+    assert first.cache.tiers.runs.stats().writes == 1 and len(run_files(tmp_path)) == 1
+    alone = _alone(smollm2, prompt)
+    out, cached, again = serve(smollm2, tmp_path, prompt)
+    runs, disk = again.cache.tiers.runs.stats(), again.cache.tiers.disk.stats()
+    assert (runs.hits, runs.refused) == (1, 0)
+    assert disk.hits == 0  # no page file was read before the first token: the run restored them all
+    assert cached == min(len(prompt) // 16 * 16, len(prompt) - 1)
+    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
+def test_a_run_past_the_prompts_pages_is_cut_where_they_end(smollm2: Path, tmp_path: Path) -> None:
+    """The same text then another question: its pages end inside the run of the first prompt, which
+    is restored and cut there."""
+    first_prompt, prompt = tokens_of(smollm2, TEXT + " Which ship came in first?",
+                                     TEXT + " What did the crew eat on the way?")
+    serve(smollm2, tmp_path, first_prompt)
+    alone = _alone(smollm2, prompt)
+    out, cached, again = serve(smollm2, tmp_path, prompt)
+    shared = next(i for i, (a, b) in enumerate(zip(first_prompt, prompt)) if a != b) // 16 * 16
+    assert again.cache.tiers.runs.stats().hits == 1 and again.cache.tiers.disk.stats().hits == 0
+    assert cached == shared > 0
+    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
+TRAILER = struct.Struct("<8sI32sIQ")  # run_store's: magic, version, name, pages, body bytes
+
+
+def parts(run: Path) -> tuple[bytes, list[bytes]]:
+    """A run file's body and the page keys it lists."""
+    data = run.read_bytes()
+    _, _, _, n_pages, body = TRAILER.unpack_from(data, len(data) - TRAILER.size - 8)
+    listed = data[body : body + n_pages * KEY_BYTES]
+    return data[:body], [listed[i : i + KEY_BYTES] for i in range(0, len(listed), KEY_BYTES)]
+
+
+def forge(donor: Path, run: Path) -> None:
+    """Replace `run` by the donor run's rows under `run`'s name and keys, trailer and checksum agreeing."""
+    body, keys = parts(donor)[0], parts(run)[1]
+    assert len(parts(donor)[1]) == len(keys)  # as many pages: the rows load whole
+    out = body + b"".join(keys) + TRAILER.pack(MAGIC, VERSION, keys[-1], len(keys), len(body))
+    run.write_bytes(out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out)))
+
+
+def donor_and_prompt(smollm2: Path, folder: Path) -> tuple[list[int], Path, Path]:
+    """Two prompts of as many tokens, each served for one token (so each has its pages and a run of as
+    many pages on disk): the second, and the donor's run and its own."""
+    donor, other = tokens_of(smollm2, TEXT, OTHER)
+    n = min(len(donor), len(other)) // 16 * 16
+    prompt = other[:n] + donor[n:]
+    with run_engine(smollm2, folder) as e:
+        for p in (donor, prompt):
+            run_traced(e, [traced(p, max_tokens=1)])
+        key = e.cache.tree.match(PrefixKey("", prompt), len(prompt) // 16)[-1].key
+    name, = [p for p in run_files(folder) if key in parts(p)[1]]
+    donor_run, = [p for p in run_files(folder) if p != name]
+    return prompt, donor_run, name
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "forged"])
+def test_a_damaged_run_is_refused_and_the_pages_restore_instead(smollm2: Path, tmp_path: Path, damage: str) -> None:
+    prompt, donor_run, run = donor_and_prompt(smollm2, tmp_path)
+    if damage == "flip":
+        data = bytearray(run.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        run.write_bytes(bytes(data))
+    elif damage == "truncate":
+        run.write_bytes(run.read_bytes()[:-100])
+    else:
+        forge(donor_run, run)  # the donor's rows under this prompt's name and keys
+    alone = _alone(smollm2, prompt)
+    out, cached, again = serve(smollm2, tmp_path, prompt)
+    runs, disk = again.cache.tiers.runs.stats(), again.cache.tiers.disk.stats()
+    assert (runs.refused, runs.hits) == ((1, 0) if damage == "truncate" else (1, 1))  # found at start, or at open
+    assert not run.exists()
+    assert disk.hits >= len(prompt) // 16  # the pages restored it
+    assert cached == min(len(prompt) // 16 * 16, len(prompt) - 1)
+    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
+def test_a_loader_that_trusts_the_runs_tokens_fails_the_comparison(smollm2: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation: llama.cpp's tokens replaced by the prompt's, so a forged run's rows attach."""
+    prompt, donor_run, run = donor_and_prompt(smollm2, tmp_path)
+    forge(donor_run, run)
+    alone = _alone(smollm2, prompt)
+    real = Context.load_seq_file
+
+    def trusting(self, seq: int, path: str, capacity: int) -> list[int] | None:
+        tokens = real(self, seq, path, capacity)
+        return tokens and (list(prompt) + tokens[len(prompt):])[: len(tokens)]
+
+    monkeypatch.setattr(Context, "load_seq_file", trusting)
+    out, cached, again = serve(smollm2, tmp_path, prompt)
+    assert again.cache.tiers.runs.stats().hits == 1 and again.cache.tiers.runs.stats().refused == 0
+    assert cached > 0
+    with pytest.raises(AssertionError):
+        assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
+def test_a_served_restart_shows_its_runs(smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the server: `/v1/cache` and `/metrics` report the runs; the budget's quarter is theirs."""
+    monkeypatch.setattr("kvserve.cache.run_store.MIN_TOKENS", 32)
+    body = {"model": "m", "prompt": TEXT, "max_tokens": 2, "temperature": 0}
+    with served(smollm2, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (url, app):
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert app.state.models.persistence.runs.flush(30)
+    with served(smollm2, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (url, app):
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        tiers = httpx.get(f"{url}/v1/cache").json()["tiers"]["disk"]
+        metrics = httpx.get(f"{url}/metrics").text
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert tiers["runs"]["hits"] == 1 and tiers["runs"]["runs"] == 1
+    assert tiers["runs"]["budget_bytes"] == 16 * MIB and tiers["budget_bytes"] == 48 * MIB
+    assert "kvserve_prefix_disk_run_hits_total 1.0" in metrics
