@@ -85,4 +85,15 @@ def _disk_tier(request: Request) -> dict:
     return {"disk": {"bytes": d.bytes, "pages": d.pages, "budget_bytes": d.budget_bytes, "hits": d.hits,
                      "writes": d.writes, "written_bytes": d.written_bytes, "read_seconds": round(d.read_seconds, 3),
                      "write_seconds": round(d.write_seconds, 3), "refused": d.refused,
-                     "dropped_writes": d.dropped_writes, "evictions": d.evictions}}
+                     "dropped_writes": d.dropped_writes, "evictions": d.evictions, **_runs(request)}}
+
+
+def _runs(request: Request) -> dict:
+    """The disk tier's runs: long chains of its pages again, each in one file llama.cpp reads itself."""
+    runs = getattr(request.app.state.models.persistence, "runs", None)
+    if runs is None:
+        return {}
+    r = runs.stats()
+    return {"runs": {"runs": r.runs, "bytes": r.bytes, "budget_bytes": r.budget_bytes, "hits": r.hits,
+                     "writes": r.writes, "written_bytes": r.written_bytes, "write_seconds": round(r.write_seconds, 3),
+                     "refused": r.refused, "dropped_writes": r.dropped_writes, "evictions": r.evictions}}

@@ -222,6 +222,18 @@ class _TierCollector(Collector):
                 ("evictions", d.evictions, "Page files removed to stay within the budget"),
             ):
                 yield CounterMetricFamily(f"kvserve_prefix_disk_{name}", doc, value)
+        runs = getattr(persistence, "runs", None)
+        if runs is not None:
+            r = runs.stats()
+            yield GaugeMetricFamily("kvserve_prefix_disk_run_bytes",
+                                    "Bytes of run files (long chains of pages again, one file each)", r.bytes)
+            yield GaugeMetricFamily("kvserve_prefix_disk_runs", "Run files the disk tier holds", r.runs)
+            for name, value, doc in (
+                ("run_hits", r.hits, "Prompts restored from a run file"),
+                ("run_writes", r.writes, "Run files written"),
+                ("run_refused", r.refused, "Run files found corrupt, truncated or foreign, and removed"),
+            ):
+                yield CounterMetricFamily(f"kvserve_prefix_disk_{name}", doc, value)
         publisher = getattr(persistence, "publisher", None)
         if publisher is not None:
             p = publisher.stats()

@@ -7,16 +7,21 @@ Invariants:
 - a model's pages are written and announced under its served name; at start each model served, and
   each with pages on disk, is announced cleared, then every page on disk once, parents first, before
   any model serves;
-- `close` finishes queued disk writes (bounded), then the publisher's queue, then releases both.
+- the disk budget is split: runs (run_store.py) take `1 / RUN_SHARE` of it, the pages the rest, so
+  their files together never pass it;
+- `close` finishes queued run writes and disk writes (bounded), then the publisher's queue, then
+  releases them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvserve.cache.page_events import ModelEvents, announce_start, disk_listeners
 from kvserve.cache.tiers import Tiers
@@ -26,12 +31,14 @@ from kvserve.server.namespace import adapters_of
 
 _log = logging.getLogger("kvserve.persistence")
 MIB = 1024 * 1024
+RUN_SHARE = 4  # runs (whole long chains again, run_store.py) take at most a quarter of the disk budget
 
 
 @dataclass
 class Persistence:
     disk: "object | None" = None  # DiskStore
     publisher: "object | None" = None  # KvEventPublisher
+    runs: "object | None" = None  # RunStore, beside the disk store
     _mapping: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvserve-map"))
 
@@ -45,14 +52,14 @@ class Persistence:
 
             publisher = KvEventPublisher(settings.kv_events, settings.kv_events_replay, settings.kv_events_topic)
         try:
-            disk = _open_disk(settings, publisher)
+            disk, runs = _open_disk(settings, publisher)
         except BaseException:
             if publisher is not None:
                 publisher.close()
             raise
         if publisher is not None:
             announce_start(publisher, disk, models)
-        return cls(disk, publisher)
+        return cls(disk, publisher, runs)
 
     def tiers(self, model: str, page_rows: int) -> Tiers:
         """`model`'s tiers; where the disk holds its pages, a thread maps the buffer its first restore
@@ -62,10 +69,12 @@ class Persistence:
         scratch = None
         if self.disk is not None and (nbytes := self.disk.run_bytes(model)):
             scratch = self._mapping.submit(mapped, nbytes)
-        return Tiers(disk=self.disk, events=events, tag=model, scratch=scratch, lora_of=adapters_of)
+        return Tiers(disk=self.disk, events=events, tag=model, scratch=scratch, lora_of=adapters_of, runs=self.runs)
 
     def close(self) -> None:
         self._mapping.shutdown(wait=False, cancel_futures=True)
+        if self.runs is not None:
+            self.runs.close()
         if self.disk is not None:
             self.disk.close()
         if self.publisher is not None:
@@ -81,17 +90,39 @@ def disk_budget(settings: ServerSettings) -> int | Callable[[int], int]:
     return lambda held: (shutil.disk_usage(folder).free + held) // 4
 
 
-def _open_disk(settings: ServerSettings, publisher) -> "object | None":
+def _open_disk(settings: ServerSettings, publisher) -> "tuple[object | None, object | None]":
+    """The disk store and its runs (RUN_SHARE of the budget), or neither."""
     if settings.prefix_disk_dir is None:
-        return None
+        return None, None
     from kvserve.cache.disk_store import DiskStore
+    from kvserve.cache.run_store import RunStore
 
     settings.prefix_disk_dir.mkdir(parents=True, exist_ok=True)
     on_stored = on_removed = None
     if publisher is not None:
         on_stored, on_removed = disk_listeners(publisher)
-    disk = DiskStore(settings.prefix_disk_dir, disk_budget(settings), on_stored=on_stored, on_removed=on_removed)
-    stats = disk.stats()
-    _log.info("disk tier: %s, %d pages (%.0f MiB) of %.0f MiB, %d files refused at start",
-              settings.prefix_disk_dir, stats.pages, stats.bytes / MIB, stats.budget_bytes / MIB, stats.refused)
-    return disk
+    total, runs_dir, split = disk_budget(settings), settings.prefix_disk_dir / "runs", {}
+
+    def pages_budget(held: int) -> int:  # the runs' files count as held: they are the tier's own
+        whole = total(held + _file_bytes(runs_dir)) if callable(total) else total
+        split["runs"] = whole // RUN_SHARE
+        return whole - split["runs"]
+
+    disk = DiskStore(settings.prefix_disk_dir, pages_budget, on_stored=on_stored, on_removed=on_removed)
+    try:
+        runs = RunStore(runs_dir, split["runs"])  # under the disk store's lock on the folder
+    except BaseException:
+        disk.close()
+        raise
+    stats, run_stats = disk.stats(), runs.stats()
+    _log.info("disk tier: %s, %d pages (%.0f MiB) of %.0f MiB, %d runs (%.0f MiB) of %.0f MiB, %d files refused "
+              "at start", settings.prefix_disk_dir, stats.pages, stats.bytes / MIB, stats.budget_bytes / MIB,
+              run_stats.runs, run_stats.bytes / MIB, run_stats.budget_bytes / MIB, stats.refused + run_stats.refused)
+    return disk, runs
+
+
+def _file_bytes(folder: Path) -> int:
+    try:
+        return sum(entry.stat().st_size for entry in os.scandir(folder) if entry.is_file())
+    except FileNotFoundError:
+        return 0
