@@ -221,7 +221,8 @@ class ServerSettings(BaseModel):
         "found again after a restart or a crash) and the kept responses (SQLite); one server per folder",
     )
     prefix_disk_mb: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="the disk tier's budget, in MiB (0: a quarter of the folder's free space at start)"
+        0.0, ge=0, allow_inf_nan=False, description="the disk tier's budget, in MiB (0: a quarter of the folder's free space at start): "
+        "three quarters for pages, a quarter for runs (long prompts again, one file each)"
     )
     kv_events: str | None = Field(
         None, description="publish KV cache events for routers, in vLLM's format, on this ZMQ PUB address (tcp://*:5557)"

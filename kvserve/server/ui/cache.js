@@ -82,9 +82,12 @@ function showDisk(tiers) {
   if (!disk) return;
   $("disk-bar").style.width = disk.budget_bytes ? `${Math.min(100, (100 * disk.bytes) / disk.budget_bytes)}%` : "0";
   const rate = (bytes, seconds) => (seconds > 0 ? `${formatBytes(bytes / seconds)}/s` : "–");
-  $("disk-text").textContent = `${formatBytes(disk.bytes)} of ${formatBytes(disk.budget_bytes)} (--prefix-disk-mb) · `
+  const share = disk.runs ? "the pages' share of --prefix-disk-mb" : "--prefix-disk-mb";
+  $("disk-text").textContent = `${formatBytes(disk.bytes)} of ${formatBytes(disk.budget_bytes)} (${share}) · `
     + `${disk.pages} pages · ${disk.hits} read back, ${disk.writes} written (${rate(disk.written_bytes ?? 0, disk.write_seconds)}) · `
-    + `${disk.refused} refused · ${disk.dropped_writes} writes dropped · ${disk.evictions} evicted`;
+    + `${disk.refused} refused · ${disk.dropped_writes} writes dropped · ${disk.evictions} evicted`
+    + (disk.runs ? ` · runs (long prompts in one file): ${disk.runs.runs}, ${formatBytes(disk.runs.bytes)} of `
+      + `${formatBytes(disk.runs.budget_bytes)}, ${disk.runs.hits} restored, ${disk.runs.refused} refused` : "");
 }
 
 function showStreams(pool) {
