@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import llama_cpp
+import numpy as np
 import pytest
 import xxhash
 
@@ -32,10 +34,10 @@ OTHER = TEXT.replace("harbour master", "lighthouse keeper").replace("ship", "sto
 
 
 @contextlib.contextmanager
-def run_engine(model: Path, folder: Path) -> Iterator[Engine]:
+def run_engine(model: Path, folder: Path, **overrides) -> Iterator[Engine]:
     """An engine whose pages go to a disk store in `folder`, and whose chains of 32 tokens or more to
     runs in `folder/runs`; closing it writes what is queued."""
-    chosen = settings(model)
+    chosen = settings(model, **overrides)
     disk = DiskStore(folder, 256 * MIB)
     runs = RunStore(folder / "runs", 256 * MIB, min_tokens=32)
     loaded = Engine.load(chosen.model_settings(), chosen, tiers=Tiers(disk=disk, tag="m", runs=runs))
@@ -61,6 +63,28 @@ def serve(model: Path, folder: Path, prompt: list[int]) -> tuple[list, int, Engi
 def tokens_of(model: Path, *texts: str) -> list[list[int]]:
     with engine(model) as e:
         return [e.model.tokenize(text, add_special=True) for text in texts]
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny-llama"])
+def test_a_run_file_lays_out_the_blob_a_restore_loads(smollm2: Path, tiny, tmp_path: Path, which: str) -> None:
+    """Made a layer at a time, a run is llama.cpp's file head, the tokens, then the blob `assemble`
+    makes of the same pages, less its header: with V as rows (flash attention) and transposed."""
+    model, options = (smollm2, {}) if which == "smollm2" else (tiny("llama"), {"flash_attn": "off"})
+    with run_engine(model, tmp_path, **options) as e:
+        prompt = e.model.tokenize(TEXT, add_special=True)
+        run_traced(e, [traced(prompt)])
+        nodes = e.cache.tree.match(PrefixKey("", prompt), len(prompt) // 16)
+        pages = [e.cache.store.peek(node) for node in nodes]
+        size, parts = e.cache.rows.run_file(pages, prompt)
+        data = b"".join(np.ascontiguousarray(part).tobytes() for part in parts)
+        n = len(nodes) * 16
+        blob = e.cache.rows.assemble(pages, n)
+        transposed = any(block.n_embd for block in e.cache.rows._layout[0].blocks)
+    assert transposed == (which == "tiny-llama")
+    assert len(data) == size
+    assert data[:12] == struct.pack("<III", llama_cpp.LLAMA_STATE_SEQ_MAGIC, llama_cpp.LLAMA_STATE_SEQ_VERSION, n)
+    assert data[12 : 12 + 4 * n] == struct.pack(f"<{n}i", *prompt[:n])
+    assert data[12 + 4 * n :] == blob[8:].tobytes()
 
 
 def run_files(folder: Path) -> list[Path]:

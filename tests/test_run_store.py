@@ -29,7 +29,7 @@ def file_of(store: RunStore, k: bytes) -> Path:
 
 
 def written(store: RunStore, keys: list[bytes], size: int = 1000, fill: int = 7) -> None:
-    store.put(keys, lambda: body(size, fill))
+    store.put(keys, size, lambda: body(size, fill))
     assert store.flush(10)
 
 
@@ -163,10 +163,10 @@ def test_put_never_waits_for_the_writer_and_the_queue_is_bounded(tmp_path: Path)
     store = RunStore(tmp_path, 1 << 20)
     started, gate = threading.Event(), threading.Event()
     try:
-        store.put([key(1)], lambda: (started.set(), gate.wait(10), body(100))[2])
+        store.put([key(1)], 100, lambda: (started.set(), gate.wait(10), body(100))[2])
         assert started.wait(10)  # the writer is busy with that one
         for i in range(2, 3 + QUEUE + 2):
-            store.put([key(i)], lambda: body(100))
+            store.put([key(i)], 100, lambda: body(100))
         assert store.stats().dropped_writes == 3
         gate.set()
         assert store.flush(10)
@@ -179,9 +179,10 @@ def test_put_never_waits_for_the_writer_and_the_queue_is_bounded(tmp_path: Path)
 def test_a_body_that_raises_writes_nothing_and_the_writer_goes_on(tmp_path: Path) -> None:
     store = RunStore(tmp_path, 1 << 20)
     try:
-        store.put([key(1)], lambda: 1 / 0)
+        store.put([key(1)], 100, lambda: 1 / 0)
+        store.put([key(3)], 101, lambda: body(100))  # a body shorter than announced
         written(store, [key(2)])
-        assert store.find(key(1)) is None and store.find(key(2)) == (key(2), 1)
+        assert store.find(key(1)) is None and store.find(key(3)) is None and store.find(key(2)) == (key(2), 1)
         assert not any(p.name.endswith(TMP_SUFFIX) for p in tmp_path.iterdir())
     finally:
         store.close()

@@ -459,8 +459,8 @@ class PageCache(PrefixCache):
         if (runs is None or self.rows.n_swa or not nodes or len(nodes) * self.page_rows < runs.min_tokens
                 or self._run_for(nodes[-1].key, len(nodes)) is not None):
             return
-        pages = [self.store.peek(node) for node in nodes]
-        runs.put([node.key for node in nodes], lambda: self.rows.run_file(pages, tokens))
+        nbytes, parts = self.rows.run_file([self.store.peek(node) for node in nodes], tokens)
+        runs.put([node.key for node in nodes], nbytes, lambda: parts)
 
     def _keep_window(self, session: Session, n: int) -> None:
         """Make the pages before `n`, where the session stands, hold the window's rows for position

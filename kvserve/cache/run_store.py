@@ -45,7 +45,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -64,7 +64,7 @@ TRAILER_BYTES = _TRAILER.size + _SUM.size
 KEY_BYTES = 32
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # `verify` maps the file's pages at once, not a fault each
 
-Body = Sequence["bytes | bytearray | memoryview | np.ndarray"]
+Body = Iterable["bytes | bytearray | memoryview | np.ndarray"]
 
 
 @dataclass(eq=False)
@@ -81,6 +81,7 @@ class _Run:
 @dataclass(eq=False)
 class _Job:
     keys: tuple[bytes, ...]  # every page's key, in order: the run is named by the last
+    nbytes: int  # the body's
     body: Callable[[], Body]
 
 
@@ -235,8 +236,9 @@ class RunStore:
 
     # -- writing --------------------------------------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], body: Callable[[], Body]) -> None:
-        """Queue the run of the pages `keys` (its body built on the writer thread by `body()`)."""
+    def put(self, keys: Sequence[bytes], nbytes: int, body: Callable[[], Body]) -> None:
+        """Queue the run of the pages `keys`: a body of `nbytes`, made on the writer thread by `body()`,
+        in parts written as they come."""
         with self._lock:
             if self._closing:
                 return
@@ -244,7 +246,7 @@ class RunStore:
                 self._queue.popleft()
                 self._busy -= 1
                 self._dropped += 1
-            self._queue.append(_Job(tuple(keys), body))
+            self._queue.append(_Job(tuple(keys), nbytes, body))
             self._busy += 1
             self._work.notify_all()
 
@@ -275,9 +277,7 @@ class RunStore:
             if earlier in self._runs:
                 self._forget(earlier, "superseded")
         start = time.perf_counter()
-        views = [memoryview(np.ascontiguousarray(p) if isinstance(p, np.ndarray) else p).cast("B") for p in job.body()]
-        views.append(memoryview(b"".join(job.keys)))
-        body = sum(v.nbytes for v in views) - len(job.keys) * KEY_BYTES
+        body = job.nbytes
         size = body + len(job.keys) * KEY_BYTES + TRAILER_BYTES
         if size > self.budget_bytes:
             return
@@ -288,18 +288,24 @@ class RunStore:
         tmp = final[: -len(SUFFIX)] + TMP_SUFFIX
         try:
             trailer = _TRAILER.pack(MAGIC, VERSION, key, len(job.keys), body)
-            digest = xxhash.xxh3_64()
+            digest, written = xxhash.xxh3_64(), 0
             with open(tmp, "wb") as f:
-                for view in views:
+                for part in job.body():
+                    view = memoryview(np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part).cast("B")
                     f.write(view)
                     digest.update(view)
-                digest.update(trailer)
-                f.write(trailer + _SUM.pack(digest.intdigest()))
+                    written += view.nbytes
+                if written != body:
+                    raise RunFileError(f"a body of {written} bytes where {body} were announced")
+                for part in (b"".join(job.keys), trailer):
+                    f.write(part)
+                    digest.update(part)
+                f.write(_SUM.pack(digest.intdigest()))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
             _fsync_dir(self.directory)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001  (ENOSPC, EIO, a body that raised or lied about its size)
             _log.warning("runs: could not write %s: %s", final, exc)
             _unlink(tmp)
             return

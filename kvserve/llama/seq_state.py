@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -445,17 +445,37 @@ class SeqState:
         assert end == out.size
         return Restore(self, n, out, slots)
 
-    def run_file(self, pages: list[KvPage], tokens: Sequence[int]) -> list[np.ndarray]:
+    def run_file(self, pages: list[KvPage], tokens: Sequence[int]) -> tuple[int, Iterator[np.ndarray]]:
         """`pages` (consecutive from position 0, one KV section) as the file `llama_state_seq_save_file`
         writes, which `Context.load_seq_file` restores: u32 magic, u32 version, u32 n_tokens, the
-        tokens (`tokens`' first n), then the state `llama_state_seq_get_data` writes, less its own
-        header. In buffers of its own: safe on any thread once the layout is known."""
-        n = pages[-1].end
+        tokens (`tokens`' first n), then the state `llama_state_seq_get_data` writes (what `assemble`
+        lays out), less its own header. Its size, and its bytes in parts, one layer's K or V at a time:
+        a run costs no more memory than one layer's rows beside its pages. Safe on any thread once
+        the layout is known."""
+        layout = self._layout
+        if layout is None or len(layout) != 1 or layout[0].sliding:
+            raise StateFormatError("a run needs one known KV section")
+        section, n = layout[0], pages[-1].end if pages else 0
+        self._spans(pages, n)  # consecutive from position 0
         if len(tokens) < n:
             raise ValueError(f"{len(tokens)} tokens for a run of {n} positions")
-        blob = self.assemble(pages, n)
-        head = np.asarray([llama_cpp.LLAMA_STATE_SEQ_MAGIC, llama_cpp.LLAMA_STATE_SEQ_VERSION, n], "<u4")
-        return [head.view(np.uint8), np.asarray(tokens[:n], "<i4").view(np.uint8), blob[_HEADER_BYTES:]]
+        tables = [page.tables[0] for page in pages]
+
+        def parts() -> Iterator[np.ndarray]:
+            yield np.asarray([llama_cpp.LLAMA_STATE_SEQ_MAGIC, llama_cpp.LLAMA_STATE_SEQ_VERSION, n], "<u4")
+            yield np.asarray(tokens[:n], "<i4")
+            counts = np.zeros(1 + section.n_stream, np.uint32)
+            counts[:2] = section.n_stream, n
+            yield counts[:2]
+            yield np.concatenate([table[:, : section.meta_bytes] for table in tables])
+            yield np.frombuffer(section.data_head, np.uint8)
+            for block, (lo, hi) in zip(section.blocks, section.columns()[1:]):
+                yield np.frombuffer(block.head, np.uint8)
+                cells = np.concatenate([table[:, lo:hi] for table in tables])
+                yield cells.reshape(n, block.n_embd, -1).transpose(1, 0, 2).copy() if block.n_embd else cells
+            yield counts[2:]
+
+        return 12 + 4 * n + section.size(n), parts()
 
     def _blob(self, nbytes: int) -> np.ndarray:
         """`nbytes` of the one buffer every blob on its way into or out of llama.cpp passes through,
