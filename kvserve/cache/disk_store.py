@@ -322,8 +322,8 @@ class DiskStore:
                 sub.mkdir()
                 made = True
         if made:  # their names outlive a power loss before any page's does
-            _fsync_dir(self.pages_dir)
-            _fsync_dir(self.directory)
+            fsync_dir(self.pages_dir)
+            fsync_dir(self.directory)
 
     # -- the start scan ---------------------------------------------------------------------------------
 
@@ -335,7 +335,7 @@ class DiskStore:
             for file in os.scandir(sub.path):
                 name = file.name
                 if name.endswith(TMP_SUFFIX):
-                    _unlink(file.path)  # a write that never finished: we hold the lock, no one else writes
+                    remove_file(file.path)  # a write that never finished: we hold the lock, no one else writes
                     continue
                 if not name.endswith(SUFFIX):
                     continue  # not ours: left alone
@@ -345,7 +345,7 @@ class DiskStore:
                         raise _BadFile("the file's name is not its key")
                 except (_BadFile, OSError) as exc:
                     _log.warning("disk tier: removing %s: %s", file.path, exc)
-                    _unlink(file.path)
+                    remove_file(file.path)
                     self._refused += 1
                     continue
                 found.append((mtime, entry, size))
@@ -475,7 +475,7 @@ class DiskStore:
                     return
                 _log.warning("disk tier: removing %s: %s", path, problem)
                 self._remove(key, item)
-                _unlink(path)
+                remove_file(path)
                 self._refused += 1
                 self._misses += 1
             _call(self.on_removed, item.entry)
@@ -653,7 +653,7 @@ class DiskStore:
                 _call(self.on_stored, entry)
         except Exception as exc:  # noqa: BLE001  (ENOSPC, EIO, a folder removed by hand, a bad token)
             _log.warning("disk tier: could not write %s: %s", final, exc)
-            _unlink(tmp)
+            remove_file(tmp)
             with self._lock:
                 self._reserved = 0
                 self._failed += 1
@@ -662,7 +662,7 @@ class DiskStore:
         with self._lock:
             dirty, self._dirty_dirs = self._dirty_dirs, set()
         for name in dirty:
-            _fsync_dir(Path(name))
+            fsync_dir(Path(name))
         self._last_dir_sync = time.monotonic()
 
     def touch(self, keys: Iterable[bytes]) -> None:
@@ -688,7 +688,7 @@ class DiskStore:
                 if item is None or self._closed:
                     return
                 self._remove(key, item)
-                _unlink(self._path(key))
+                remove_file(self._path(key))
             _call(self.on_removed, item.entry)
 
     def _evict_locked(self, nbytes: int, keep: tuple[bytes, ...]) -> list[DiskEntry]:
@@ -720,7 +720,7 @@ class DiskStore:
 
     def _evict_one(self, key: bytes, item: _Item, removed: list[DiskEntry]) -> int:
         self._remove(key, item)
-        _unlink(self._path(key))
+        remove_file(self._path(key))
         self._evictions += 1
         self._evicted_bytes += item.size
         removed.append(item.entry)
@@ -896,7 +896,8 @@ def _call(callback: Callable[[DiskEntry], None] | None, entry: DiskEntry) -> Non
         _log.exception("disk tier: a callback for page %s", entry.key.hex())
 
 
-def _unlink(path: str | Path) -> None:
+def remove_file(path: str | Path) -> None:
+    """Remove a file of the tier; one already gone is no matter, any other failure is logged."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -905,7 +906,8 @@ def _unlink(path: str | Path) -> None:
         _log.warning("disk tier: could not remove %s: %s", path, exc)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the names in a folder outlive a power loss (best effort: a failure is not an error here)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:

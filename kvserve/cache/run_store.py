@@ -50,6 +50,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import xxhash
 
+from kvserve.cache.disk_store import fsync_dir, remove_file
+
 _log = logging.getLogger("kvserve.cache")
 
 MAGIC = b"KVSRUN\0\0"
@@ -162,7 +164,7 @@ class RunStore:
         found = []
         for file in os.scandir(self.directory):
             if file.name.endswith(TMP_SUFFIX):
-                _unlink(file.path)
+                remove_file(file.path)
             elif file.name.endswith(SUFFIX):
                 try:
                     with open(file.path, "rb", buffering=0) as f:
@@ -172,7 +174,7 @@ class RunStore:
                         raise RunFileError("the file's name is not its key")
                 except (RunFileError, OSError) as exc:
                     _log.warning("runs: removing %s: %s", file.path, exc)
-                    _unlink(file.path)
+                    remove_file(file.path)
                     self._refused += 1
                     continue
                 found.append((st.st_mtime_ns, keys, st.st_size))
@@ -232,7 +234,7 @@ class RunStore:
     def _forget(self, key: bytes, problem: str) -> None:
         with self._lock:
             self._drop(key)
-        _unlink(self._path(key))
+        remove_file(self._path(key))
 
     # -- writing --------------------------------------------------------------------------------------
 
@@ -304,10 +306,10 @@ class RunStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except Exception as exc:  # noqa: BLE001  (ENOSPC, EIO, a body that raised or lied about its size)
             _log.warning("runs: could not write %s: %s", final, exc)
-            _unlink(tmp)
+            remove_file(tmp)
             return
         with self._lock:
             if old is not None and self._runs.get(key) is old:
@@ -327,7 +329,7 @@ class RunStore:
                 run = min(others, key=lambda r: r.last_access)
                 self._drop(run.key)
                 self._evictions += 1
-            _unlink(self._path(run.key))
+            remove_file(self._path(run.key))
             nbytes -= run.size
 
     def _add(self, keys: tuple[bytes, ...], size: int) -> None:
@@ -393,20 +395,3 @@ def _listed(fd: int, size: int) -> tuple[tuple[bytes, ...], int]:
     if len(keys) != n_pages or keys[-1] != key:
         raise RunFileError("its last page's key is not the trailer's")
     return keys, _SUM.unpack_from(data, _TRAILER.size)[0]
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        _log.warning("runs: could not remove %s: %s", path, exc)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

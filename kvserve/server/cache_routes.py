@@ -6,6 +6,8 @@ never learns whether, or what, another namespace has cached.
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Request
 
 from kvserve.cache.prefix_key import PrefixKey
@@ -93,7 +95,5 @@ def _runs(request: Request) -> dict:
     runs = getattr(request.app.state.models.persistence, "runs", None)
     if runs is None:
         return {}
-    r = runs.stats()
-    return {"runs": {"runs": r.runs, "bytes": r.bytes, "budget_bytes": r.budget_bytes, "hits": r.hits,
-                     "writes": r.writes, "written_bytes": r.written_bytes, "write_seconds": round(r.write_seconds, 3),
-                     "refused": r.refused, "dropped_writes": r.dropped_writes, "evictions": r.evictions}}
+    return {"runs": {name: round(value, 3) if isinstance(value, float) else value
+                     for name, value in dataclasses.asdict(runs.stats()).items()}}
