@@ -51,10 +51,10 @@ def run_engine(model: Path, folder: Path, **overrides) -> Iterator[Engine]:
         disk.close()
 
 
-def serve(model: Path, folder: Path, prompt: list[int]) -> tuple[list, int, Engine]:
+def serve(model: Path, folder: Path, prompt: list[int], **overrides) -> tuple[list, int, Engine]:
     """Serve `prompt` on a fresh engine over `folder`: its trace, the tokens it attached, and the engine
     (closed by then: its stores' stats stay readable)."""
-    with run_engine(model, folder) as e:
+    with run_engine(model, folder, **overrides) as e:
         request = traced(prompt)
         out = run_traced(e, [request])[request.id]
         return out, request.state.cached_tokens, e
@@ -104,6 +104,22 @@ def test_a_restart_restores_the_prompt_from_its_run_and_equals_scratch(smollm2: 
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
 
 
+def test_a_restart_with_another_stream_count_leaves_the_run_alone(smollm2: Path, tmp_path: Path) -> None:
+    """llama.cpp refuses a state of another stream count: a restart under another --parallel finds no
+    run of its layout, restores the pages, equal to scratch, and neither refuses nor removes the run."""
+    prompt = tokens_of(smollm2, TEXT)[0]
+    serve(smollm2, tmp_path, prompt)
+    alone = _alone(smollm2, prompt)
+    out, cached, again = serve(smollm2, tmp_path, prompt, parallel=2)
+    runs = again.cache.tiers.runs.stats()
+    assert (runs.hits, runs.refused) == (0, 0) and again.cache.tiers.disk.stats().hits > 0
+    assert cached == min(len(prompt) // 16 * 16, len(prompt) - 1)
+    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+    assert len(run_files(tmp_path)) == 1
+    _, _, back = serve(smollm2, tmp_path, prompt)
+    assert back.cache.tiers.runs.stats().hits == 1  # the first settings find it again
+
+
 def test_a_run_past_the_prompts_pages_is_cut_where_they_end(smollm2: Path, tmp_path: Path) -> None:
     """The same text then another question: its pages end inside the run of the first prompt, which
     is restored and cut there."""
@@ -118,13 +134,13 @@ def test_a_run_past_the_prompts_pages_is_cut_where_they_end(smollm2: Path, tmp_p
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
 
 
-TRAILER = struct.Struct("<8sI32sIQ")  # run_store's: magic, version, name, pages, body bytes
+TRAILER = struct.Struct("<8sI32s32sIQ")  # run_store's: magic, version, name, layout, pages, body bytes
 
 
 def parts(run: Path) -> tuple[bytes, list[bytes]]:
     """A run file's body and the page keys it lists."""
     data = run.read_bytes()
-    _, _, _, n_pages, body = TRAILER.unpack_from(data, len(data) - TRAILER.size - 8)
+    _, _, _, _, n_pages, body = TRAILER.unpack_from(data, len(data) - TRAILER.size - 8)
     listed = data[body : body + n_pages * KEY_BYTES]
     return data[:body], [listed[i : i + KEY_BYTES] for i in range(0, len(listed), KEY_BYTES)]
 
@@ -133,7 +149,9 @@ def forge(donor: Path, run: Path) -> None:
     """Replace `run` by the donor run's rows under `run`'s name and keys, trailer and checksum agreeing."""
     body, keys = parts(donor)[0], parts(run)[1]
     assert len(parts(donor)[1]) == len(keys)  # as many pages: the rows load whole
-    out = body + b"".join(keys) + TRAILER.pack(MAGIC, VERSION, keys[-1], len(keys), len(body))
+    data = run.read_bytes()
+    layout = TRAILER.unpack_from(data, len(data) - TRAILER.size - 8)[3]
+    out = body + b"".join(keys) + TRAILER.pack(MAGIC, VERSION, keys[-1], layout, len(keys), len(body))
     run.write_bytes(out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out)))
 
 

@@ -14,6 +14,7 @@ from kvserve.cache.run_store import KEY_BYTES, QUEUE, SUFFIX, TMP_SUFFIX, TRAILE
 
 
 SIZE = 1000 + KEY_BYTES + TRAILER_BYTES  # a one-page run of the bodies below
+LAYOUT = b"L" * 32
 
 
 def key(i: int) -> bytes:
@@ -28,8 +29,8 @@ def file_of(store: RunStore, k: bytes) -> Path:
     return store.directory / (k.hex() + SUFFIX)
 
 
-def written(store: RunStore, keys: list[bytes], size: int = 1000, fill: int = 7) -> None:
-    store.put(keys, size, lambda: body(size, fill))
+def written(store: RunStore, keys: list[bytes], size: int = 1000, fill: int = 7, layout: bytes = LAYOUT) -> None:
+    store.put(keys, layout, size, lambda: body(size, fill))
     assert store.flush(10)
 
 
@@ -38,7 +39,7 @@ def test_a_run_is_written_found_opened_and_verified(tmp_path: Path) -> None:
     try:
         written(store, [key(1), key(2), key(3)])
         # every page it holds finds it; a page of no run finds nothing
-        assert [store.find(key(i)) for i in (1, 2, 3, 4)] == [(key(3), 3)] * 3 + [None]
+        assert [store.find(key(i), LAYOUT) for i in (1, 2, 3, 4)] == [(key(3), 3)] * 3 + [None]
         assert file_of(store, key(3)).stat().st_size == SIZE + 2 * KEY_BYTES
         with store.open(key(3)) as opened:
             assert opened.verify()
@@ -63,7 +64,7 @@ def test_a_restart_finds_the_runs_and_drops_what_is_not_one(tmp_path: Path) -> N
     (tmp_path / "notes.txt").write_text("not ours")
     again = RunStore(tmp_path, 1 << 20)
     try:
-        assert again.find(key(1)) == (key(1), 1) and again.find(key(4)) is None and again.find(key(5)) is None
+        assert again.find(key(1), LAYOUT) == (key(1), 1) and again.find(key(4), LAYOUT) is None and again.find(key(5), LAYOUT) is None
         assert again.stats().refused == 2
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([key(1).hex() + SUFFIX, "notes.txt"])
     finally:
@@ -81,7 +82,7 @@ def test_a_flipped_byte_fails_the_checksum_and_refuse_removes_the_file(tmp_path:
         with store.open(key(2)) as opened:
             assert not opened.verify()
         store.refuse(key(2), "checksum mismatch")
-        assert not path.exists() and store.find(key(1)) is None and store.stats().refused == 1
+        assert not path.exists() and store.find(key(1), LAYOUT) is None and store.stats().refused == 1
     finally:
         store.close()
 
@@ -126,10 +127,10 @@ def test_the_budget_evicts_the_least_recently_used_and_skips_a_run_too_large(tmp
         with store.open(key(1)):  # used: now the most recent
             pass
         written(store, [key(4)])
-        assert [store.find(key(i)) for i in (1, 2, 3, 4)] == [(key(1), 1), None, (key(3), 1), (key(4), 1)]
+        assert [store.find(key(i), LAYOUT) for i in (1, 2, 3, 4)] == [(key(1), 1), None, (key(3), 1), (key(4), 1)]
         assert store.stats().bytes == 3 * size and store.stats().evictions == 1
         written(store, [key(5)], size=4 * size)
-        assert store.find(key(5)) is None and store.stats().bytes <= store.budget_bytes
+        assert store.find(key(5), LAYOUT) is None and store.stats().bytes <= store.budget_bytes
         assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= store.budget_bytes
     finally:
         store.close()
@@ -142,7 +143,7 @@ def test_a_restart_with_a_smaller_budget_evicts_down_to_it(tmp_path: Path) -> No
     store.close()
     again = RunStore(tmp_path, 2 * SIZE)
     try:
-        assert again.stats().runs == 2 and again.find(key(1)) is None
+        assert again.stats().runs == 2 and again.find(key(1), LAYOUT) is None
     finally:
         again.close()
 
@@ -153,7 +154,7 @@ def test_a_longer_run_of_the_same_chain_supersedes_the_shorter(tmp_path: Path) -
         written(store, [key(1), key(2)])
         written(store, [key(7)])
         written(store, [key(1), key(2), key(3)])
-        assert store.find(key(2)) == (key(3), 3) and store.find(key(7)) == (key(7), 1)
+        assert store.find(key(2), LAYOUT) == (key(3), 3) and store.find(key(7), LAYOUT) == (key(7), 1)
         assert not file_of(store, key(2)).exists() and store.stats().runs == 2
     finally:
         store.close()
@@ -163,10 +164,10 @@ def test_put_never_waits_for_the_writer_and_the_queue_is_bounded(tmp_path: Path)
     store = RunStore(tmp_path, 1 << 20)
     started, gate = threading.Event(), threading.Event()
     try:
-        store.put([key(1)], 100, lambda: (started.set(), gate.wait(10), body(100))[2])
+        store.put([key(1)], LAYOUT, 100, lambda: (started.set(), gate.wait(10), body(100))[2])
         assert started.wait(10)  # the writer is busy with that one
         for i in range(2, 3 + QUEUE + 2):
-            store.put([key(i)], 100, lambda: body(100))
+            store.put([key(i)], LAYOUT, 100, lambda: body(100))
         assert store.stats().dropped_writes == 3
         gate.set()
         assert store.flush(10)
@@ -179,10 +180,10 @@ def test_put_never_waits_for_the_writer_and_the_queue_is_bounded(tmp_path: Path)
 def test_a_body_that_raises_writes_nothing_and_the_writer_goes_on(tmp_path: Path) -> None:
     store = RunStore(tmp_path, 1 << 20)
     try:
-        store.put([key(1)], 100, lambda: 1 / 0)
-        store.put([key(3)], 101, lambda: body(100))  # a body shorter than announced
+        store.put([key(1)], LAYOUT, 100, lambda: 1 / 0)
+        store.put([key(3)], LAYOUT, 101, lambda: body(100))  # a body shorter than announced
         written(store, [key(2)])
-        assert store.find(key(1)) is None and store.find(key(3)) is None and store.find(key(2)) == (key(2), 1)
+        assert store.find(key(1), LAYOUT) is None and store.find(key(3), LAYOUT) is None and store.find(key(2), LAYOUT) == (key(2), 1)
         assert not any(p.name.endswith(TMP_SUFFIX) for p in tmp_path.iterdir())
     finally:
         store.close()
@@ -193,6 +194,19 @@ def test_a_file_shorter_than_a_trailer_is_refused(tmp_path: Path, size: int) -> 
     (tmp_path / (key(1).hex() + SUFFIX)).write_bytes(b"x" * size)
     store = RunStore(tmp_path, 1 << 20)
     try:
-        assert store.find(key(1)) is None and store.stats().refused == 1
+        assert store.find(key(1), LAYOUT) is None and store.stats().refused == 1
+    finally:
+        store.close()
+
+
+def test_find_returns_only_runs_of_the_layout_asked_for(tmp_path: Path) -> None:
+    """Another context's run (another stream count, V the other way) is left alone, not refused."""
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        written(store, [key(1), key(2)], layout=b"M" * 32)
+        assert store.find(key(2), LAYOUT) is None and store.find(key(2), b"M" * 32) == (key(2), 2)
+        store.close()
+        store = RunStore(tmp_path, 1 << 20)
+        assert store.find(key(1), b"M" * 32) == (key(2), 2) and store.stats().refused == 0
     finally:
         store.close()

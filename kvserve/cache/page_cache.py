@@ -303,7 +303,7 @@ class PageCache(PrefixCache):
         is at most `RUN_WASTE` times as long (past that, reading the pages costs less than reading the
         whole run): its name and page count."""
         runs = self.tiers.runs
-        found = runs.find(page) if runs is not None else None
+        found = runs.find(page, self.rows.run_layout()) if runs is not None else None
         return found if found is not None and found[1] <= RUN_WASTE * n_pages else None
 
     def _read_into(self, restore: Restore, keys: list[bytes], first: int) -> int:
@@ -460,7 +460,7 @@ class PageCache(PrefixCache):
                 or self._run_for(nodes[-1].key, len(nodes)) is not None):
             return
         nbytes, parts = self.rows.run_file([self.store.peek(node) for node in nodes], tokens)
-        runs.put([node.key for node in nodes], nbytes, lambda: parts)
+        runs.put([node.key for node in nodes], self.rows.run_layout(), nbytes, lambda: parts)
 
     def _keep_window(self, session: Session, n: int) -> None:
         """Make the pages before `n`, where the session stands, hold the window's rows for position

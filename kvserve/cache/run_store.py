@@ -15,8 +15,10 @@ Layout under `directory` (the disk tier's folder's `runs/`, under the disk tier'
     <64 hex key>.run.tmp    a run being written (removed at start)
 
 After the body, integers little-endian: n_pages keys (32 bytes each, the last is the run's name),
-then the trailer: magic b"KVSRUN\\0\\0" | u32 version | key (32 bytes) | u32 n_pages | u64 body bytes |
-u64 XXH3-64 of everything before it.
+then the trailer: magic b"KVSRUN\\0\\0" | u32 version | key (32 bytes) | layout (32 bytes) | u32 n_pages |
+u64 body bytes | u64 XXH3-64 of everything before it. The layout names what the body's format depends on
+beyond the pages' keys (for llama.cpp: the context's stream count and V's orientation): `find` only
+returns runs of the layout asked for, so a restart with other settings leaves the others alone.
 
 Invariants:
 - budget: the runs' files and the one being written never exceed `budget_bytes`; the writer evicts
@@ -60,7 +62,7 @@ SUFFIX = ".run"
 TMP_SUFFIX = ".run.tmp"
 QUEUE = 2  # runs waiting to be written: each holds its pages' memory until it is
 MIN_TOKENS = 1024  # a shorter prompt reads its few pages as fast as a run (2,048 tokens: 1.19x llama-server)
-_TRAILER = struct.Struct("<8sI32sIQ")  # magic, version, key, n_pages, body bytes
+_TRAILER = struct.Struct("<8sI32s32sIQ")  # magic, version, key, layout, n_pages, body bytes
 _SUM = struct.Struct("<Q")
 TRAILER_BYTES = _TRAILER.size + _SUM.size
 KEY_BYTES = 32
@@ -72,6 +74,7 @@ Body = Iterable["bytes | bytearray | memoryview | np.ndarray"]
 @dataclass(eq=False)
 class _Run:
     keys: tuple[bytes, ...]  # its pages' keys: the last is its name
+    layout: bytes
     size: int  # file bytes
     last_access: int
 
@@ -83,6 +86,7 @@ class _Run:
 @dataclass(eq=False)
 class _Job:
     keys: tuple[bytes, ...]  # every page's key, in order: the run is named by the last
+    layout: bytes
     nbytes: int  # the body's
     body: Callable[[], Body]
 
@@ -169,7 +173,7 @@ class RunStore:
                 try:
                     with open(file.path, "rb", buffering=0) as f:
                         st = os.fstat(f.fileno())
-                        keys, _ = _listed(f.fileno(), st.st_size)
+                        keys, layout, _ = _listed(f.fileno(), st.st_size)
                     if file.name != keys[-1].hex() + SUFFIX:
                         raise RunFileError("the file's name is not its key")
                 except (RunFileError, OSError) as exc:
@@ -177,16 +181,17 @@ class RunStore:
                     remove_file(file.path)
                     self._refused += 1
                     continue
-                found.append((st.st_mtime_ns, keys, st.st_size))
-        for _mtime, keys, size in sorted(found):
-            self._add(keys, size)
+                found.append((st.st_mtime_ns, keys, layout, st.st_size))
+        for _mtime, keys, layout, size in sorted(found):
+            self._add(keys, layout, size)
 
     # -- reading --------------------------------------------------------------------------------------
 
-    def find(self, page: bytes) -> tuple[bytes, int] | None:
-        """The shortest run holding the page keyed `page`: its name and page count; or None (no IO)."""
+    def find(self, page: bytes, layout: bytes) -> tuple[bytes, int] | None:
+        """The shortest run of `layout` holding the page keyed `page`: its name and page count; or None
+        (no IO)."""
         with self._lock:
-            runs = [self._runs[name] for name in self._holding.get(page, ())]
+            runs = [run for name in self._holding.get(page, ()) if (run := self._runs[name]).layout == layout]
         if not runs:
             return None
         run = min(runs, key=lambda r: len(r.keys))
@@ -207,8 +212,8 @@ class RunStore:
             return None
         try:
             size = os.fstat(fd).st_size
-            keys, checksum = _listed(fd, size)
-            if keys != run.keys:
+            keys, layout, checksum = _listed(fd, size)
+            if keys != run.keys or layout != run.layout:
                 raise RunFileError("the file lists other pages than its name's")
         except (RunFileError, OSError) as exc:
             os.close(fd)
@@ -238,9 +243,9 @@ class RunStore:
 
     # -- writing --------------------------------------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], nbytes: int, body: Callable[[], Body]) -> None:
-        """Queue the run of the pages `keys`: a body of `nbytes`, made on the writer thread by `body()`,
-        in parts written as they come."""
+    def put(self, keys: Sequence[bytes], layout: bytes, nbytes: int, body: Callable[[], Body]) -> None:
+        """Queue the run of the pages `keys` in `layout`: a body of `nbytes`, made on the writer thread
+        by `body()`, in parts written as they come."""
         with self._lock:
             if self._closing:
                 return
@@ -248,7 +253,7 @@ class RunStore:
                 self._queue.popleft()
                 self._busy -= 1
                 self._dropped += 1
-            self._queue.append(_Job(tuple(keys), nbytes, body))
+            self._queue.append(_Job(tuple(keys), layout, nbytes, body))
             self._busy += 1
             self._work.notify_all()
 
@@ -289,7 +294,7 @@ class RunStore:
         final = self._path(key)
         tmp = final[: -len(SUFFIX)] + TMP_SUFFIX
         try:
-            trailer = _TRAILER.pack(MAGIC, VERSION, key, len(job.keys), body)
+            trailer = _TRAILER.pack(MAGIC, VERSION, key, job.layout, len(job.keys), body)
             digest, written = xxhash.xxh3_64(), 0
             with open(tmp, "wb") as f:
                 for part in job.body():
@@ -314,7 +319,7 @@ class RunStore:
         with self._lock:
             if old is not None and self._runs.get(key) is old:
                 self._drop(key)
-            self._add(job.keys, size)
+            self._add(job.keys, job.layout, size)
             self._writes += 1
             self._written_bytes += size
             self._write_seconds += time.perf_counter() - start
@@ -332,9 +337,9 @@ class RunStore:
             remove_file(self._path(run.key))
             nbytes -= run.size
 
-    def _add(self, keys: tuple[bytes, ...], size: int) -> None:
+    def _add(self, keys: tuple[bytes, ...], layout: bytes, size: int) -> None:
         self._clock += 1
-        self._runs[keys[-1]] = _Run(keys, size, self._clock)
+        self._runs[keys[-1]] = _Run(keys, layout, size, self._clock)
         self._bytes += size
         for page in keys:
             self._holding.setdefault(page, set()).add(keys[-1])
@@ -376,15 +381,15 @@ class RunFileError(Exception):
     """A run's file is not what its name and trailer say."""
 
 
-def _listed(fd: int, size: int) -> tuple[tuple[bytes, ...], int]:
-    """The page keys a run file lists and its checksum; RunFileError unless its trailer parses, the
+def _listed(fd: int, size: int) -> tuple[tuple[bytes, ...], bytes, int]:
+    """The page keys a run file lists, its layout and its checksum; RunFileError unless its trailer parses, the
     last key listed is the trailer's, and the file's size is what the trailer says."""
     if size < TRAILER_BYTES:
         raise RunFileError("shorter than a trailer")
     data = os.pread(fd, TRAILER_BYTES, size - TRAILER_BYTES)
     if len(data) != TRAILER_BYTES:
         raise RunFileError("the trailer could not be read")
-    magic, version, key, n_pages, body = _TRAILER.unpack_from(data)
+    magic, version, key, layout, n_pages, body = _TRAILER.unpack_from(data)
     if magic != MAGIC or version != VERSION:
         raise RunFileError("not a run file of this version")
     expected = body + n_pages * KEY_BYTES + TRAILER_BYTES
@@ -394,4 +399,4 @@ def _listed(fd: int, size: int) -> tuple[tuple[bytes, ...], int]:
     keys = tuple(listed[i : i + KEY_BYTES] for i in range(0, len(listed), KEY_BYTES))
     if len(keys) != n_pages or keys[-1] != key:
         raise RunFileError("its last page's key is not the trailer's")
-    return keys, _SUM.unpack_from(data, _TRAILER.size)[0]
+    return keys, layout, _SUM.unpack_from(data, _TRAILER.size)[0]

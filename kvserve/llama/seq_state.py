@@ -45,6 +45,7 @@ Models that carry state (recurrent, hybrid) are refused: their checkpoints are w
 
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -444,6 +445,16 @@ class SeqState:
         slots, end = _lay_section(out, _HEADER_BYTES, layout[0], 0, n)
         assert end == out.size
         return Restore(self, n, out, slots)
+
+    def run_layout(self) -> bytes:
+        """What `run_file`'s state depends on beyond its pages: the context's stream count, the metadata
+        size and every layer's head (V as rows or transposed), as 32 bytes. llama.cpp refuses a file
+        of another (a restart with another `--parallel` or flash attention)."""
+        if self._layout is None:
+            raise StateFormatError("no layout learned yet")
+        section = self._layout[0]
+        heads = [section.n_stream.to_bytes(4, "little"), section.meta_bytes.to_bytes(4, "little"), section.data_head]
+        return hashlib.sha256(b"".join(heads + [block.head for block in section.blocks])).digest()
 
     def run_file(self, pages: list[KvPage], tokens: Sequence[int]) -> tuple[int, Iterator[np.ndarray]]:
         """`pages` (consecutive from position 0, one KV section) as the file `llama_state_seq_save_file`
