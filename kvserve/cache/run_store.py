@@ -60,6 +60,7 @@ MAGIC = b"KVSRUN\0\0"
 VERSION = 1
 SUFFIX = ".run"
 TMP_SUFFIX = ".run.tmp"
+WRITER_NICE = 10  # the writer thread's niceness (Linux: per thread)
 QUEUE = 2  # runs waiting to be written: each holds its pages' memory until it is
 MIN_TOKENS = 1024  # a shorter prompt reads its few pages as fast as a run (2,048 tokens: 1.19x llama-server)
 _TRAILER = struct.Struct("<8sI32s32sIQ")  # magic, version, key, layout, n_pages, body bytes
@@ -263,6 +264,10 @@ class RunStore:
             return self._work.wait_for(lambda: self._busy == 0, timeout)
 
     def _write_loop(self) -> None:
+        try:  # a run is an accelerator: on a busy box the decode threads go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (OSError, AttributeError):
+            pass
         while True:
             with self._lock:
                 self._work.wait_for(lambda: self._queue or self._closing)
