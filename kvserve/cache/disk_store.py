@@ -441,7 +441,7 @@ class DiskStore:
                     self._push(key, current)
                 self._hits += 1
             if touch:
-                _set_mtime(path)
+                set_mtime(path)
             return payload
         finally:
             elapsed = time.perf_counter() - start
@@ -676,7 +676,7 @@ class DiskStore:
                     self._push(key, item)
                     paths.append(self._path(key))
         for path in paths:
-            _set_mtime(path)
+            set_mtime(path)
 
     # -- removal ----------------------------------------------------------------------------------------
 
@@ -854,7 +854,7 @@ def _read_expected(path: str, entry: DiskEntry, into: np.ndarray | None) -> memo
     return payload if _SUM.unpack(tail)[0] == digest.intdigest() else None
 
 
-def _set_mtime(path: str) -> None:
+def set_mtime(path: str) -> None:
     """Recency that outlives the process (a few microseconds); a file gone meanwhile has none."""
     try:
         os.utime(path)

@@ -52,7 +52,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import xxhash
 
-from kvserve.cache.disk_store import fsync_dir, remove_file
+from kvserve.cache.disk_store import fsync_dir, remove_file, set_mtime
 
 _log = logging.getLogger("kvserve.cache")
 
@@ -209,7 +209,7 @@ class RunStore:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            self._forget(key, "the file is gone")
+            self._forget(key)
             return None
         try:
             size = os.fstat(fd).st_size
@@ -224,10 +224,7 @@ class RunStore:
             self._hits += 1
             self._clock += 1
             run.last_access = self._clock
-        try:
-            os.utime(path)  # recency a restart reads
-        except OSError:
-            pass
+        set_mtime(path)
         return Opened(fd, size - _SUM.size, checksum)
 
     def refuse(self, key: bytes, problem: str) -> None:
@@ -235,9 +232,9 @@ class RunStore:
         _log.warning("runs: refusing %s: %s", key.hex(), problem)
         with self._lock:
             self._refused += 1
-        self._forget(key, problem)
+        self._forget(key)
 
-    def _forget(self, key: bytes, problem: str) -> None:
+    def _forget(self, key: bytes) -> None:
         with self._lock:
             self._drop(key)
         remove_file(self._path(key))
@@ -287,7 +284,7 @@ class RunStore:
         key = job.keys[-1]
         for earlier in job.keys[:-1]:  # a prefix of this run: superseded
             if earlier in self._runs:
-                self._forget(earlier, "superseded")
+                self._forget(earlier)  # superseded
         start = time.perf_counter()
         body = job.nbytes
         size = body + len(job.keys) * KEY_BYTES + TRAILER_BYTES
