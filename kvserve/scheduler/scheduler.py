@@ -93,6 +93,7 @@ class Scheduler:
         self.started = self.last_progress
         self.stopping = False  # set as the engine stops (any thread): idle work gives up
         self.calls_submitted = self.calls_started = 0  # calls for the engine thread (`AsyncEngine.call`)
+        self._idling = False  # `idle` runs (engine thread): it may hold a borrowed stream
         self.snapshot = self._take_snapshot()
 
     # -- called from any thread --------------------------------------------------------------------
@@ -144,8 +145,9 @@ class Scheduler:
 
     def wants_idle(self) -> bool:
         """Whether `idle` has something to do: pages the cache reads from disk off the engine thread
-        to take in, or a ubatch size `auto` still needs timed (any thread)."""
-        return self.kv.cache.pending() or self.speculator.cost.next_to_time() is not None
+        to take in, or a ubatch size `auto` still needs timed (any thread); or is doing it: its last
+        size counts as timed before the stream it borrowed is given back."""
+        return self._idling or self.kv.cache.pending() or self.speculator.cost.next_to_time() is not None
 
     def idle_delay(self) -> float:
         """Seconds before `idle` should run (its work being `wants_idle`): none for the cache's reads;
@@ -166,6 +168,13 @@ class Scheduler:
         (0.1-1.3 s, which short requests to a 1.5B waited 0.29-0.70 s for), and the size is timed
         again at a later idle. They are timed in one stream borrowed as a new session would take it,
         which gets back what the cache holds of the rows it had (`KvManager.borrowed_session`)."""
+        self._idling = True
+        try:
+            self._idle()
+        finally:
+            self._idling = False
+
+    def _idle(self) -> None:
         if self.kv.cache.pending():
             self.kv.cache.settle(timeout=IDLE_WAIT)
             return
