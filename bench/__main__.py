@@ -52,6 +52,9 @@ def main() -> None:
                         "(default 2048,8192,16384; e.g. 2048,8192,16384:1)")
     parser.add_argument("--runs", type=int, help="compare: turns of each workload; restart: runs per size; kv-events: turns of each config (default 2; --quick 1)")
     parser.add_argument("--parts", help="restart: which of restart,bandwidth,workloads (default all)")
+    parser.add_argument("--restarts", type=int, default=1,
+                        help="restart: restarts per chain from what its cold server left, in turns across the "
+                             "chains (default 1)")
     args = parser.parse_args()
     if args.suite == "compare":
         print(compare.main(args.quick, args.servers, args.workloads, args.runs))
@@ -64,7 +67,7 @@ def main() -> None:
     elif args.suite == "models":
         print(models.main(args.quick))
     elif args.suite == "restart":
-        print(restart.main(args.quick, args.sizes, args.runs, args.parts))
+        print(restart.main(args.quick, args.sizes, args.runs, args.parts, args.restarts))
     elif args.suite == "kv-events":
         print(kv_events.main(args.quick, args.runs))
     else:

@@ -17,7 +17,12 @@ against llama-server's manual slot save and restore.
    - llama-server `--slot-save-path`: cold TTFT, `POST /slots/0?action=save`, SIGTERM, a new server,
      `POST /slots/0?action=restore`, then the prompt (`cache_prompt`, `id_slot` 0): save, restore and
      TTFT times, where bench.llama_server has built the binary.
-   Runs alternate the order of the three. Each cell is the median (lowest-highest) over its runs.
+   Runs alternate the order of the three. With `--restarts K`, each chain then restarts K-1 more times
+   from what it left (kvserve: its folder, each restarted server stopped with SIGTERM; llama-server: the
+   slot file, restored again), in turns across the chains (A B C, C B A, ...), so that each restart has
+   a neighbour of each server beside it; the restart cells are then over every turn, the cold ones over
+   the runs, and each restart is also shown over llama-server's in the same turn. Each cell is the
+   median (lowest-highest).
 2. Disk bandwidth: `dd` on the folders' file system (512 MiB written with `conv=fsync`, then read back,
    after `echo 3 > /proc/sys/vm/drop_caches` where permitted, and read again from the page cache),
    beside the disk tier's own counters: bytes written over the writer's seconds (each page a file,
@@ -30,7 +35,8 @@ against llama-server's manual slot save and restore.
    the default host budget, ample) against `disk` (the disk tier on, `--prefix-state-mb` a quarter of
    what `host`'s first run held in `/v1/cache`), ABBA on fresh servers; ratios disk / host per run.
 
-python -m bench restart [--quick] [--sizes 2048,8192,16384:1] [--runs 2] [--parts restart,bandwidth,workloads]
+python -m bench restart [--quick] [--sizes 2048,8192,16384:1] [--runs 2] [--restarts 1]
+                        [--parts restart,bandwidth,workloads]
 (--quick: 2,048 and 8,192 tokens, 1 run, short workloads; writes restart-partial.*; a size may carry its
 own number of runs after a colon)
 """
@@ -239,11 +245,17 @@ def kvserve_chain(model: Path, tokens: list[int], folder: Path, stop: str) -> di
             row["exit_status"] = first.stop(grace=120)
         row["stop_s"] = time.perf_counter() - began
     row["files_after_stop"], row["bytes_after_stop"] = page_files(folder)
-    with contextlib.ExitStack() as stack:
-        second, row["restart_start_s"] = kvserve_server(model, folder, log.with_suffix(".restarted.log"), stack)
-        row["restart"] = kvserve_ttft(second.url, tokens)
-        row["after_restart"] = disk_stats(second.url)
+    turn = kvserve_restart(model, tokens, folder, log.with_suffix(".restarted.log"))
+    row["restart_start_s"], row["restart"], row["after_restart"] = turn["start_s"], turn["ttft"], turn["tiers"]
     return row
+
+
+def kvserve_restart(model: Path, tokens: list[int], folder: Path, log: Path) -> dict:
+    """A new server on `folder`: the prompt's TTFT, then SIGTERM."""
+    with contextlib.ExitStack() as stack:
+        server, start_s = kvserve_server(model, folder, log, stack)
+        ttft = kvserve_ttft(server.url, tokens)
+        return {"start_s": start_s, "ttft": ttft, "tiers": disk_stats(server.url)}
 
 
 def llama_command(binary: Path, model: Path, port: int, folder: Path) -> list[str]:
@@ -269,15 +281,20 @@ def llama_chain(binary: Path, model: Path, tokens: list[int], folder: Path) -> d
         began = time.perf_counter()
         row["exit_status"] = first.stop(grace=120)
         row["stop_s"] = time.perf_counter() - began
+    turn = llama_restart(binary, model, tokens, folder, log.with_suffix(".restarted.log"))
+    row["restart_start_s"], row["restore"], row["restore_s"], row["restart"] = (
+        turn["start_s"], turn["restore"], turn["restore_s"], turn["ttft"])
+    return row
+
+
+def llama_restart(binary: Path, model: Path, tokens: list[int], folder: Path, log: Path) -> dict:
+    """A new server on `folder`: restore slot 0 from the chain's file, the prompt's TTFT, then SIGTERM."""
     with contextlib.ExitStack() as stack:
         port = free_port()
-        second, row["restart_start_s"] = started(llama_command(binary, model, port, folder), port,
-                                                 log.with_suffix(".restarted.log"), stack)
-        llama_ttft(second.url, WARM_UP)
-        restored, row["restore_s"] = post(second.url, "/slots/0?action=restore", {"filename": name})
-        row["restore"] = restored
-        row["restart"] = llama_ttft(second.url, tokens)
-    return row
+        server, start_s = started(llama_command(binary, model, port, folder), port, log, stack)
+        llama_ttft(server.url, WARM_UP)
+        restored, restore_s = post(server.url, "/slots/0?action=restore", {"filename": f"prompt-{len(tokens)}.bin"})
+        return {"start_s": start_s, "restore": restored, "restore_s": restore_s, "ttft": llama_ttft(server.url, tokens)}
 
 
 def show(row: dict) -> str:
@@ -290,8 +307,11 @@ def show(row: dict) -> str:
             f"(load {row['cold']['loadavg'][0]})")
 
 
-def restart_part(model: Path, plan: list[tuple[int, int]], tmp: Path) -> tuple[list[dict], str, list[dict]]:
-    """Part 1's rows, the note on llama-server, and the chains that failed."""
+def restart_part(model: Path, plan: list[tuple[int, int]], tmp: Path,
+                 restarts: int = 1) -> tuple[list[dict], str, list[dict]]:
+    """Part 1's rows, the note on llama-server, and the chains that failed. Each chain restarts
+    `restarts` times from what its cold server left: the first as the chain ends, the others in
+    turns across the chains (A B C, C B A, ...), each turn's restart TTFT in the row's `turns`."""
     binary = llama_server.binary()
     if binary.is_file():
         llama_note = f"measured ({binary})"
@@ -305,23 +325,59 @@ def restart_part(model: Path, plan: list[tuple[int, int]], tmp: Path) -> tuple[l
             chains = ["sigterm", "sigkill"] + (["llama"] if binary.is_file() else [])
             if run % 2:
                 chains.reverse()
-            for chain in chains:
-                folder = tmp / f"{chain}-{size}-{run}"
-                try:
-                    if chain == "llama":
-                        row = llama_chain(binary, model, tokens[size], folder)
-                    else:
-                        row = kvserve_chain(model, tokens[size], folder, chain)
-                except Exception as exc:  # a chain that fails is reported, the others still run
-                    failed.append({"size": size, "run": run, "chain": chain, "error": f"{type(exc).__name__}: {exc}"[-800:]})
-                    print(f"{size} run {run} {chain}: failed: {exc}", flush=True)
-                    continue
-                finally:
-                    shutil.rmtree(folder, ignore_errors=True)
-                row["run"] = run
-                rows.append(row)
-                print(show(row), flush=True)
+            done: dict[str, dict] = {}
+            try:
+                for turn in range(restarts):
+                    for chain in (chains if turn % 2 == 0 else chains[::-1]):
+                        if turn and chain not in done:
+                            continue
+                        folder = tmp / f"{chain}-{size}-{run}"
+                        try:
+                            if turn == 0:
+                                done[chain] = first_restart(binary, model, tokens[size], folder, chain, run)
+                                rows.append(done[chain])
+                                print(show(done[chain]), flush=True)
+                            else:
+                                again = further_restart(binary, model, tokens[size], folder, chain)
+                                done[chain]["turns"].append(again)
+                                print(f"{size:>6} run {run} {done[chain]['server']:>24}: turn {turn} "
+                                      f"{show_turn(again)}", flush=True)
+                        except Exception as exc:  # a chain that fails is reported, the others still run
+                            failed.append({"size": size, "run": run, "chain": chain, "turn": turn,
+                                           "error": f"{type(exc).__name__}: {exc}"[-800:]})
+                            print(f"{size} run {run} {chain} turn {turn}: failed: {exc}", flush=True)
+                            done.pop(chain, None)
+            finally:
+                for chain in chains:
+                    shutil.rmtree(tmp / f"{chain}-{size}-{run}", ignore_errors=True)
     return rows, llama_note, failed
+
+
+def first_restart(binary: Path, model: Path, tokens: list[int], folder: Path, chain: str, run: int) -> dict:
+    """The chain: cold, stopped, restarted once; its row, whose `turns` start with that restart."""
+    if chain == "llama":
+        row = llama_chain(binary, model, tokens, folder)
+    else:
+        row = kvserve_chain(model, tokens, folder, chain)
+    row["run"] = run
+    row["turns"] = [{"ttft": row["restart"], **({"restore_s": row["restore_s"]} if "restore_s" in row else {})}]
+    return row
+
+
+def further_restart(binary: Path, model: Path, tokens: list[int], folder: Path, chain: str) -> dict:
+    """One more restart on what the chain left (kvserve: its folder, as the last server left it after
+    SIGTERM; llama-server: the slot file saved by the cold server)."""
+    if chain == "llama":
+        turn = llama_restart(binary, model, tokens, folder, RESULTS / "restart-llama-server.restarted.log")
+        return {"ttft": turn["ttft"], "restore_s": turn["restore_s"]}
+    turn = kvserve_restart(model, tokens, folder, RESULTS / f"restart-kvserve-{chain}.restarted.log")
+    return {"ttft": turn["ttft"], "runs": ((turn["tiers"].get("disk") or {}).get("runs") or {}).get("hits")}
+
+
+def show_turn(turn: dict) -> str:
+    restore = f", restore {turn['restore_s']:.3f} s" if "restore_s" in turn else ""
+    return (f"restart {turn['ttft']['ttft_s']:.3f} s (cached {turn['ttft']['cached_tokens']}/"
+            f"{turn['ttft']['prompt_tokens']}){restore}")
 
 
 # -- part 2: bandwidth ------------------------------------------------------------------------------------
@@ -492,20 +548,39 @@ def restart_summary(rows: list[dict]) -> list[dict]:
             if not mine:
                 continue
             cold = [r["cold"]["ttft_s"] for r in mine]
-            restart = [r["restart"]["ttft_s"] for r in mine]
-            whole = [r["restart"]["request_s"] for r in mine if "request_s" in r["restart"]]
-            out.append({"tokens": size, "server": server, "runs": len(mine), "cold_s": cold, "restart_s": restart,
-                        "restart_request_s": whole,
-                        "ratio": [b / a for a, b in zip(cold, restart)],
-                        "speedup": [a / b for a, b in zip(cold, restart)],
+            first = [r["restart"]["ttft_s"] for r in mine]
+            turns = [t for r in mine for t in turns_of(r)]
+            out.append({"tokens": size, "server": server, "runs": len(mine), "turns": len(turns), "cold_s": cold,
+                        "restart_s": [t["ttft"]["ttft_s"] for t in turns],
+                        "restart_request_s": [t["ttft"]["request_s"] for t in turns if "request_s" in t["ttft"]],
+                        "ratio": [b / a for a, b in zip(cold, first)],
+                        "speedup": [a / b for a, b in zip(cold, first)],
                         "cached": [f"{r['restart']['cached_tokens']}/{r['restart']['prompt_tokens']}" for r in mine],
                         "save_s": [r["save_s"] for r in mine if "save_s" in r],
-                        "restore_s": [r["restore_s"] for r in mine if "restore_s" in r],
+                        "restore_s": [t["restore_s"] for t in turns if "restore_s" in t],
                         "restart_start_s": [r["restart_start_s"] for r in mine]})
     return out
 
 
-def targets(summary: list[dict]) -> list[dict]:
+def turns_of(row: dict) -> list[dict]:
+    """A chain's restarts (a file from before `--restarts` holds its one restart in `restart`)."""
+    return row.get("turns") or [{"ttft": row["restart"], **({"restore_s": row["restore_s"]} if "restore_s" in row else {})}]
+
+
+def paired(rows: list[dict], size: int, server: str) -> list[float]:
+    """`server`'s restart TTFT over llama-server's restore + TTFT, turn by turn within each run."""
+    out = []
+    for run in sorted({r["run"] for r in rows if r["tokens"] == size}):
+        ours = next((r for r in rows if (r["tokens"], r["run"], r["server"]) == (size, run, server)), None)
+        theirs = next((r for r in rows if (r["tokens"], r["run"], r["server"]) == (size, run, "llama-server-slot-save")),
+                      None)
+        if ours and theirs:
+            out += [a["ttft"]["ttft_s"] / (b["restore_s"] + b["ttft"]["ttft_s"])
+                    for a, b in zip(turns_of(ours), turns_of(theirs))]
+    return out
+
+
+def targets(summary: list[dict], rows: list[dict] | None = None) -> list[dict]:
     by = {(s["tokens"], s["server"]): s for s in summary}
     out = []
     for stop in ("sigterm", "sigkill"):
@@ -530,9 +605,12 @@ def targets(summary: list[dict]) -> list[dict]:
         ours = statistics.median(mine["restart_s"])
         manual = statistics.median([a + b for a, b in zip(theirs["restore_s"], theirs["restart_s"])])
         bare = statistics.median(theirs["restart_s"])
+        pairs = {stop: paired(rows or [], size, f"kvserve-{stop}") for stop in ("sigterm", "sigkill")}
+        each = "".join(f"; turn by turn after {stop.upper()} {spread(found)}x ({len(found)} turns)"
+                       for stop, found in pairs.items() if found)
         out.append({"target": f"{size} tokens: kvserve restart TTFT <= llama-server's restore + TTFT",
                     "value": ours / manual, "shown": f"{ours:.3f} s vs {manual:.3f} s ({ours / manual:.2f}x; "
-                                                      f"llama-server's TTFT alone {bare:.3f} s)",
+                                                      f"llama-server's TTFT alone {bare:.3f} s{each})",
                     "met": ours <= manual})
     return out
 
@@ -554,15 +632,16 @@ def markdown(result: dict) -> str:
                   f"server. Runs per size: {s['plan']}. kvserve-sigterm: cold on a fresh server and folder, SIGTERM, "
                   f"a new server on the folder; kvserve-sigkill: SIGKILL {KILL_WAIT:g} s after the cold answer; "
                   "llama-server-slot-save: `--slot-save-path`, POST /slots/0?action=save, SIGTERM, a new server, "
-                  "action=restore, then the prompt (`cache_prompt`, `id_slot` 0). Cells: median (lowest-highest) "
-                  "over the runs.", "",
+                  "action=restore, then the prompt (`cache_prompt`, `id_slot` 0). Restarts per chain: "
+                  f"{s.get('restarts', 1)} (the later ones in turns across the chains, from what each chain left). "
+                  "Cells: median (lowest-highest), cold over the runs, restart over every restart.", "",
                   f"llama-server: {result['llama_server_note']}.", ""]
-        table = [[x["tokens"], x["server"], x["runs"], spread(x["cold_s"]), spread(x["restart_s"]),
+        table = [[x["tokens"], x["server"], x["runs"], x.get("turns", x["runs"]), spread(x["cold_s"]), spread(x["restart_s"]),
                   spread(x.get("restart_request_s") or []),
                   spread(x["ratio"]), spread(x["speedup"]), ", ".join(x["cached"]),
                   spread(x["save_s"]) if x["save_s"] else "-", spread(x["restore_s"]) if x["restore_s"] else "-",
                   spread(x["restart_start_s"])] for x in summary]
-        lines += [markdown_table(["tokens", "server", "runs", "cold TTFT s", "restart TTFT s",
+        lines += [markdown_table(["tokens", "server", "runs", "restarts", "cold TTFT s", "restart TTFT s",
                                   "restart request s", "restart / cold",
                                   "speedup", "cached after restart", "save s", "restore s",
                                   "restarted server ready s"], table), ""]
@@ -575,7 +654,8 @@ def markdown(result: dict) -> str:
                 f"{r['tokens']}: {r['files_after_stop']}/{((r['before_stop'].get('disk') or {}).get('pages'))}"
                 for r in kills) + ".", ""]
         for f in result.get("failed", []):
-            lines += [f"Failed: {f['size']} tokens, run {f['run']}, {f['chain']}: {f['error'][:300]}", ""]
+            lines += [f"Failed: {f['size']} tokens, run {f['run']}, {f['chain']}, restart {f.get('turn', 0)}: "
+                      f"{f['error'][:300]}", ""]
     if result.get("bandwidth") is not None:
         b = result["bandwidth"]
         dd, store = b["dd"], b["store"]
@@ -632,7 +712,8 @@ def parse_sizes(text: str, runs: int) -> list[tuple[int, int]]:
     return plan
 
 
-def main(quick: bool = False, sizes: str | None = None, runs: int | None = None, parts: str | None = None) -> str:
+def main(quick: bool = False, sizes: str | None = None, runs: int | None = None, parts: str | None = None,
+         restarts: int = 1) -> str:
     runs = runs or (1 if quick else RUNS)
     plan = parse_sizes(sizes, runs) if sizes else [(n, runs) for n in (QUICK_SIZES if quick else SIZES)]
     chosen = [p.strip() for p in (parts or ",".join(PARTS)).split(",")]
@@ -646,7 +727,8 @@ def main(quick: bool = False, sizes: str | None = None, runs: int | None = None,
     print(f"model: {model_note}", flush=True)
     result: dict = {"machine": report.machine(), "loadavg_before": loadavg(), "not_run": []}
     result["settings"] = {"model": model.name, "model_note": model_note, "ctx_size": CTX, "threads": os.cpu_count(),
-                          "plan": ", ".join(f"{n} tokens x {r}" for n, r in plan), "kill_wait_s": KILL_WAIT,
+                          "plan": ", ".join(f"{n} tokens x {r}" for n, r in plan), "restarts": restarts,
+                          "kill_wait_s": KILL_WAIT,
                           "quick": quick, "parts": chosen, "workload_runs": runs,
                           "workload_max_tokens": 16 if quick else compare.MAX_TOKENS}
     began = time.monotonic()
@@ -663,10 +745,10 @@ def main(quick: bool = False, sizes: str | None = None, runs: int | None = None,
         tmp = Path(tmp_name)
         if "restart" in chosen:
             def part1() -> None:
-                rows, result["llama_server_note"], result["failed"] = restart_part(model, plan, tmp)
+                rows, result["llama_server_note"], result["failed"] = restart_part(model, plan, tmp, restarts)
                 result["restart"] = rows
                 result["restart_summary"] = restart_summary(rows)
-                result["targets"] = targets(result["restart_summary"])
+                result["targets"] = targets(result["restart_summary"], rows)
             timed("restart", part1)
         if "bandwidth" in chosen:
             timed("bandwidth", lambda: result.update(

@@ -485,6 +485,48 @@ def test_restart_prompts_are_cut_to_size_and_targets_pair_cold_with_restart(tmp_
     assert ratios["shared"]["output_tok_s"] == {"median": 0.8, "min": 0.8, "max": 0.8, "pairs": 1}
 
 
+def test_restart_turns_alternate_across_chains_and_pair_with_llama_servers_turn(tmp_path: Path) -> None:
+    """`--restarts 3`: each chain's first restart ends it, the later ones go in turns across the chains
+    (A B C, C B A, A B C); the restart cells count every turn, restart / cold only the first, and each
+    kvserve turn is divided by llama-server's restore + TTFT of the same run and turn."""
+    from bench import restart
+
+    order, binary = [], tmp_path / "llama-server"
+    binary.write_text("")
+
+    def first(_b, _m, tokens, _f, chain, run):
+        order.append((chain, 0))
+        server = {"llama": "llama-server-slot-save"}.get(chain, f"kvserve-{chain}")
+        row = {"server": server, "tokens": len(tokens), "run": run, "restart_start_s": 1.0,
+               "cold": {"ttft_s": 10.0, "cached_tokens": 0, "loadavg": [0.5]},
+               "restart": {"ttft_s": 0.2, "cached_tokens": 3, "prompt_tokens": 4}}
+        if chain == "llama":
+            row["restore_s"] = 0.05
+        row["turns"] = [{"ttft": row["restart"], **({"restore_s": 0.05} if chain == "llama" else {})}]
+        return row
+
+    def further(_b, _m, _t, _f, chain):
+        order.append((chain, len(order)))
+        ttft = {"ttft_s": 0.1 if chain == "sigterm" else 0.15, "cached_tokens": 3, "prompt_tokens": 4}
+        return {"ttft": ttft, "restore_s": 0.05} if chain == "llama" else {"ttft": ttft}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(restart.llama_server, "binary", lambda: binary)
+        patch.setattr(restart, "prompts", lambda _m, sizes: {n: [1] * n for n in sizes})
+        patch.setattr(restart, "first_restart", first)
+        patch.setattr(restart, "further_restart", further)
+        rows, _, failed = restart.restart_part(tmp_path / "m.gguf", [(4, 1)], tmp_path, restarts=3)
+    assert failed == [] and [c for c, _ in order] == ["sigterm", "sigkill", "llama", "llama", "sigkill", "sigterm",
+                                                        "sigterm", "sigkill", "llama"]
+    summary = {x["server"]: x for x in restart.restart_summary(rows)}
+    assert summary["kvserve-sigterm"]["restart_s"] == [0.2, 0.1, 0.1] and summary["kvserve-sigterm"]["turns"] == 3
+    assert summary["kvserve-sigterm"]["speedup"] == [50.0]  # the cold prompt against the first restart alone
+    assert summary["llama-server-slot-save"]["restore_s"] == [0.05] * 3
+    assert restart.paired(rows, 4, "kvserve-sigterm") == pytest.approx([0.8, 0.5, 0.5])
+    target = restart.targets(list(summary.values()), rows)[-1]
+    assert target["met"] and "turn by turn after SIGTERM 0.5 (0.5-0.8)x (3 turns)" in target["shown"]
+
+
 def test_kv_events_turns_alternate_and_each_events_turn_pairs_with_an_off_turn_beside_it() -> None:
     from bench import kv_events
 
