@@ -45,6 +45,8 @@ def test_a_run_is_written_found_opened_and_verified(tmp_path: Path) -> None:
             assert opened.verify()
             assert Path(opened.path).read_bytes()[:1000] == b"".join(body(1000))
         assert store.open(key(2)) is None  # a page of it, not its name
+        assert store.stats().hits == 0  # opened is not restored
+        store.restored(key(3))
         stats = store.stats()
         assert (stats.runs, stats.bytes, stats.writes, stats.hits) == (1, SIZE + 2 * KEY_BYTES, 1, 1)
     finally:
@@ -124,8 +126,7 @@ def test_the_budget_evicts_the_least_recently_used_and_skips_a_run_too_large(tmp
     try:
         for i in (1, 2, 3):
             written(store, [key(i)])
-        with store.open(key(1)):  # used: now the most recent
-            pass
+        store.restored(key(1))  # used: now the most recent
         written(store, [key(4)])
         assert [store.find(key(i), LAYOUT) for i in (1, 2, 3, 4)] == [(key(1), 1), None, (key(3), 1), (key(4), 1)]
         assert store.stats().bytes == 3 * size and store.stats().evictions == 1

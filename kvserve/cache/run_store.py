@@ -199,8 +199,8 @@ class RunStore:
         return run.key, len(run.keys)
 
     def open(self, key: bytes) -> Opened | None:
-        """The run named `key`, open with its trailer and keys checked against the index (a hit: it
-        turns most recently used), or None: not there, or refused (then removed)."""
+        """The run named `key`, open with its trailer and keys checked against the index, or None:
+        not there, or refused (then removed)."""
         with self._lock:
             run = self._runs.get(key)
         if run is None:
@@ -220,12 +220,17 @@ class RunStore:
             os.close(fd)
             self.refuse(key, str(exc))
             return None
+        return Opened(fd, size - _SUM.size, checksum)
+
+    def restored(self, key: bytes) -> None:
+        """The run named `key` restored a prompt: a hit, and it turns most recently used."""
         with self._lock:
+            if (run := self._runs.get(key)) is None:
+                return
             self._hits += 1
             self._clock += 1
             run.last_access = self._clock
-        set_mtime(path)
-        return Opened(fd, size - _SUM.size, checksum)
+        set_mtime(self._path(key))
 
     def refuse(self, key: bytes, problem: str) -> None:
         """The run named `key` was found wrong: remove it, and count it."""
