@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import openai
 
-from kvserve.server.shutdown import SHUTTING_DOWN
+from kvserve.server.errors import SHUTTING_DOWN
 from kvserve.testing import ServerProcess, free_port, read_metrics, wait_until
 
 KEY = "sk-very-secret-9f8e7d"

@@ -23,7 +23,7 @@ from kvserve.scheduler.embeddings import EmbeddingFailed, EmbeddingJob
 from kvserve.scheduler.engine import Engine
 from kvserve.server.model_set import engine_for
 from kvserve.server.schemas import KeepAlive
-from kvserve.server.errors import APIError, engine_error, error_responses, invalid
+from kvserve.server.errors import APIError, engine_error, error_responses, invalid, queue_full, shutting_down
 # the generation routes' watch on the client (to be made public there once issue 21's rework of that module lands)
 from kvserve.server.generation import _ClientGone, _unless_disconnected, accepting, rejected
 
@@ -85,10 +85,9 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     except _ClientGone:
         return Response(status_code=499)  # the job was cancelled: its inputs not yet embedded are dropped
     except QueueFull as exc:
-        raise rejected(request, APIError(429, str(exc), type="rate_limit_error", code="queue_full",
-                                         headers={"Retry-After": "1"})) from exc
+        raise rejected(request, queue_full(str(exc))) from exc
     except EngineStopped as exc:
-        raise APIError(503, str(exc), type="server_error", code="shutting_down") from exc
+        raise shutting_down(str(exc)) from exc
     except EmbeddingFailed as exc:
         error = engine_error(str(exc), exc.status, exc.code)
         raise rejected(request, error) if error.status == 503 else error from exc

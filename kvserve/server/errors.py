@@ -28,6 +28,19 @@ class APIError(Exception):
         self.headers = headers
 
 
+SHUTTING_DOWN = "the server is shutting down"
+
+
+def shutting_down(message: str = SHUTTING_DOWN) -> APIError:
+    """A 503: the server drains, or the engine a request waited for stopped."""
+    return APIError(503, message, type="server_error", code="shutting_down")
+
+
+def queue_full(message: str) -> APIError:
+    """A 429: as many requests are in flight as this server queues; try again in a second."""
+    return APIError(429, message, type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -15,9 +15,8 @@ from kvserve.scheduler.async_engine import EngineStopped, QueueFull, RequestStre
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request as EngineRequest
 from kvserve.scheduler.request import FinishReason, RequestOutput
-from kvserve.server.errors import APIError, engine_error
+from kvserve.server.errors import APIError, engine_error, queue_full, shutting_down
 from kvserve.server.metrics import NO_MODEL, RequestTimer
-from kvserve.server.shutdown import SHUTTING_DOWN
 
 _log = logging.getLogger("kvserve.server")
 T = TypeVar("T")
@@ -50,7 +49,7 @@ def rejected(request: Request, error: APIError, engine: Engine | None = None) ->
 def accepting(request: Request) -> None:
     """A dependency of every generation route: no new work while draining."""
     if request.app.state.draining:
-        raise rejected(request, APIError(503, SHUTTING_DOWN, type="server_error", code="shutting_down"))
+        raise rejected(request, shutting_down())
 
 
 async def respond(request: Request, engine: Engine, job: EngineRequest, answer: Answer) -> Response:
@@ -59,10 +58,9 @@ async def respond(request: Request, engine: Engine, job: EngineRequest, answer: 
     try:
         outputs = engine.async_engine.open(job)
     except QueueFull as exc:
-        busy = APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-        raise rejected(request, busy, engine) from exc
+        raise rejected(request, queue_full(str(exc)), engine) from exc
     except EngineStopped as exc:
-        raise APIError(503, str(exc), type="server_error", code="shutting_down") from exc
+        raise shutting_down(str(exc)) from exc
     served = _Served(outputs, RequestTimer(request.app.state.metrics, job.arrival, engine.settings.served_name))
     try:
         first = await _unless_disconnected(request, outputs.peek())

@@ -36,9 +36,8 @@ from kvserve.config import Settings, machine_bytes
 from kvserve.llama.model import peek_kind
 from kvserve.scheduler.engine import Engine
 from kvserve.server.catalog import ModelSpec, keep_alive_seconds
-from kvserve.server.errors import APIError
+from kvserve.server.errors import APIError, shutting_down
 from kvserve.server.persistence import Persistence
-from kvserve.server.shutdown import SHUTTING_DOWN
 
 T = TypeVar("T")
 _log = logging.getLogger("kvserve.models")
@@ -232,7 +231,7 @@ class ModelSet:
                 if model.engine is not None:
                     return model.engine
                 if self.draining:
-                    raise _shutting_down()
+                    raise shutting_down()
                 self._check_file(model)
                 if not self.single and await self._kind(model) is None:  # before unloading another for it
                     self._fail(model, "llama.cpp cannot read the file")
@@ -294,7 +293,7 @@ class ModelSet:
             idle = sorted((m for m in others if m.evictable), key=lambda m: m.last_used)
             if not idle and time.monotonic() < deadline:  # every other unpinned one is in use
                 if self.draining:
-                    raise _shutting_down()
+                    raise shutting_down()
                 await asyncio.sleep(0.05)  # a lease ends with its response's last byte
                 continue
             if not idle:
@@ -445,10 +444,6 @@ class ModelSet:
 def _not_for_generation(model: ServedModel) -> APIError:
     return APIError(400, f"model '{model.spec.name}' is an embedding model: it serves /v1/embeddings only",
                     param="model", code="model_not_supported")
-
-
-def _shutting_down() -> APIError:
-    return APIError(503, SHUTTING_DOWN, type="server_error", code="shutting_down")
 
 
 def _load_failed(model: ServedModel) -> APIError:

@@ -24,11 +24,11 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from kvserve.server.errors import SHUTTING_DOWN
 from kvserve.server.signals import exit_now, interrupted_status
 
 _log = logging.getLogger("kvserve.server")
 
-SHUTTING_DOWN = "the server is shutting down"
 
 
 class DrainingServer(uvicorn.Server):
