@@ -268,7 +268,7 @@ def llama_chain(binary: Path, model: Path, tokens: list[int], folder: Path) -> d
     """Cold, save slot 0, SIGTERM, a new server, restore slot 0, the same prompt."""
     row: dict = {"server": "llama-server-slot-save", "tokens": len(tokens)}
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"prompt-{len(tokens)}.bin"
+    name = slot_file(tokens)
     log = RESULTS / "restart-llama-server.log"
     with contextlib.ExitStack() as stack:
         port = free_port()
@@ -287,13 +287,18 @@ def llama_chain(binary: Path, model: Path, tokens: list[int], folder: Path) -> d
     return row
 
 
+def slot_file(tokens: list[int]) -> str:
+    """The file llama-server saves a chain's slot 0 to, under --slot-save-path, and restores it from."""
+    return f"prompt-{len(tokens)}.bin"
+
+
 def llama_restart(binary: Path, model: Path, tokens: list[int], folder: Path, log: Path) -> dict:
     """A new server on `folder`: restore slot 0 from the chain's file, the prompt's TTFT, then SIGTERM."""
     with contextlib.ExitStack() as stack:
         port = free_port()
         server, start_s = started(llama_command(binary, model, port, folder), port, log, stack)
         llama_ttft(server.url, WARM_UP)
-        restored, restore_s = post(server.url, "/slots/0?action=restore", {"filename": f"prompt-{len(tokens)}.bin"})
+        restored, restore_s = post(server.url, "/slots/0?action=restore", {"filename": slot_file(tokens)})
         return {"start_s": start_s, "restore": restored, "restore_s": restore_s, "ttft": llama_ttft(server.url, tokens)}
 
 
@@ -360,7 +365,7 @@ def first_restart(binary: Path, model: Path, tokens: list[int], folder: Path, ch
     else:
         row = kvserve_chain(model, tokens, folder, chain)
     row["run"] = run
-    row["turns"] = [{"ttft": row["restart"], **({"restore_s": row["restore_s"]} if "restore_s" in row else {})}]
+    row["turns"] = turns_of(row)
     return row
 
 

@@ -30,7 +30,6 @@ from kvserve.server.signals import exit_now, interrupted_status
 _log = logging.getLogger("kvserve.server")
 
 
-
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
         super().__init__(config)
