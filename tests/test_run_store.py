@@ -137,6 +137,36 @@ def test_the_budget_evicts_the_least_recently_used_and_skips_a_run_too_large(tmp
         store.close()
 
 
+def test_warm_reads_ahead_the_newest_runs_that_fit_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    read: list[list[str]] = []
+    monkeypatch.setattr("kvserve.cache.run_store._read_ahead", read.append)
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        written(store, [key(1)])
+        written(store, [key(2)], size=3000)
+        written(store, [key(3)])
+        store.restored(key(1))  # newest first: 1, 3, then 2 (too large for what is left), none after
+        store.warm(3 * SIZE).join(10)
+        assert read == [[str(file_of(store, key(1))), str(file_of(store, key(3)))]]
+        store.warm(0).join(10)
+        assert read[-1] == []
+    finally:
+        store.close()
+
+
+def test_read_ahead_passes_over_a_run_removed_meanwhile(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        written(store, [key(1)])
+        written(store, [key(2)])
+        file_of(store, key(1)).unlink()
+        warming = store.warm(1 << 20)
+        warming.join(10)
+        assert not warming.is_alive() and file_of(store, key(2)).is_file()
+    finally:
+        store.close()
+
+
 def test_a_restart_with_a_smaller_budget_evicts_down_to_it(tmp_path: Path) -> None:
     store = RunStore(tmp_path, 1 << 20)
     for i in (1, 2, 3):

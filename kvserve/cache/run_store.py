@@ -32,6 +32,8 @@ Invariants:
   (counted in `refused`);
 - a run written for the pages `keys` removes the runs named by their earlier keys: those pages are
   its prefix (a conversation keeps one run, its latest);
+- at start, `warm` reads the newest runs that fit a budget into the page cache, off the engine's
+  thread, reading nothing it then trusts: `open` and `verify` check each run again when it is used;
 - the engine never waits on a write: `put` queues at most `QUEUE` runs (a newer one drops the oldest
   waiting, counted), and their bodies are built on the writer thread.
 """
@@ -60,7 +62,7 @@ MAGIC = b"KVSRUN\0\0"
 VERSION = 1
 SUFFIX = ".run"
 TMP_SUFFIX = ".run.tmp"
-WRITER_NICE = 10  # the writer thread's niceness (Linux: per thread)
+BACKGROUND_NICE = 10  # the niceness of the writer's and the warming threads (Linux: per thread)
 QUEUE = 2  # runs waiting to be written: each holds its pages' memory until it is
 MIN_TOKENS = 1024  # a shorter prompt reads its few pages as fast as a run (2,048 tokens: 1.19x llama-server)
 _TRAILER = struct.Struct("<8sI32s32sIQ")  # magic, version, key, layout, n_pages, body bytes
@@ -222,6 +224,23 @@ class RunStore:
             return None
         return Opened(fd, size - _SUM.size, checksum)
 
+    def warm(self, budget_bytes: int) -> threading.Thread:
+        """Read the most recently used runs that fit in `budget_bytes`, newest first, into the
+        kernel's page cache, on a thread of its own, while the model loads: a restarted server's
+        first requests then restore from memory, not from the disk (a run of 8,192 tokens of a 1.5B,
+        224 MB, loaded in 150-540 ms once evicted from the page cache, against 25-35 ms cached;
+        `posix_fadvise(WILLNEED)` read 8 MB of it). A run removed meanwhile is passed over."""
+        with self._lock:
+            newest = sorted(self._runs.values(), key=lambda run: run.last_access, reverse=True)
+        paths, total = [], 0
+        for run in newest:
+            if total + run.size <= budget_bytes:
+                paths.append(self._path(run.key))
+                total += run.size
+        thread = threading.Thread(target=_read_ahead, args=(paths,), name="kvserve-run-warm", daemon=True)
+        thread.start()
+        return thread
+
     def restored(self, key: bytes) -> None:
         """The run named `key` restored a prompt: a hit, and it turns most recently used."""
         with self._lock:
@@ -266,10 +285,7 @@ class RunStore:
             return self._work.wait_for(lambda: self._busy == 0, timeout)
 
     def _write_loop(self) -> None:
-        try:  # a run is an accelerator: on a busy box the decode threads go first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except (OSError, AttributeError):
-            pass
+        _lower_priority()  # a run is an accelerator: on a busy box the decode threads go first
         while True:
             with self._lock:
                 self._work.wait_for(lambda: self._queue or self._closing)
@@ -382,6 +398,30 @@ class RunStore:
                             writes=self._writes, written_bytes=self._written_bytes,
                             write_seconds=self._write_seconds, refused=self._refused, dropped_writes=self._dropped,
                             evictions=self._evictions)
+
+
+def _read_ahead(paths: list[str]) -> None:
+    """Each file's pages into the page cache: mapped with MAP_POPULATE (no copy), then let go."""
+    _lower_priority()
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            mmap.mmap(fd, 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | _POPULATE).close()
+        except (OSError, ValueError):
+            pass
+        finally:
+            os.close(fd)
+
+
+def _lower_priority() -> None:
+    """This thread at `BACKGROUND_NICE` (Linux sets niceness per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (OSError, AttributeError):
+        pass
 
 
 class RunFileError(Exception):

@@ -114,6 +114,7 @@ def _open_disk(settings: ServerSettings, publisher) -> "tuple[object | None, obj
     except BaseException:
         disk.close()
         raise
+    runs.warm(int(settings.prefix_state_mb * MIB))  # what the host tier may hold, read ahead while the model loads
     stats, run_stats = disk.stats(), runs.stats()
     _log.info("disk tier: %s, %d pages (%.0f MiB) of %.0f MiB, %d runs (%.0f MiB) of %.0f MiB, %d files refused "
               "at start", settings.prefix_disk_dir, stats.pages, stats.bytes / MIB, stats.budget_bytes / MIB,
