@@ -130,6 +130,30 @@ def test_pages_read_past_the_host_budget_are_recent_after_the_next_restart(smoll
     assert all(os.stat(f).st_mtime > hour_ago + 1800 for f in run_files)
 
 
+def test_matching_a_prompt_again_hashes_its_pages_once_and_never_trusts_a_changed_prompt(
+        smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission and the attach match one prompt up to four times a step: its disk pages' keys are
+    hashed once. The keys kept are the prompt's by content, not by the list they came in: a list
+    changed in place, or another prompt of the same length, is hashed anew (a cache by identity
+    fails here)."""
+    with disk_engine(smollm2, tmp_path) as e:
+        prompt = e.model.tokenize(TEXT, add_special=True)
+        run_traced(e, [traced(prompt)])
+    hashed: list[int] = []
+    real = page_cache.page_key
+    monkeypatch.setattr(page_cache, "page_key", lambda parent, tokens: (hashed.append(1), real(parent, tokens))[1])
+    with disk_engine(smollm2, tmp_path) as e:
+        whole, tokens = len(prompt) // 16, list(prompt)
+        assert len(e.cache.matched_keys(PrefixKey("", tokens))) == whole
+        assert len(hashed) == whole
+        assert len(e.cache.matched_keys(PrefixKey("", tokens))) == whole and len(hashed) == whole
+        tokens[16 * (whole - 1)] += 1  # its last whole page changed in place
+        assert len(e.cache.matched_keys(PrefixKey("", tokens))) == whole - 1
+        other = prompt[:16 * (whole - 1)] + [t + 1 for t in prompt[16 * (whole - 1):]]
+        assert len(e.cache.matched_keys(PrefixKey("", other))) == whole - 1
+        assert len(e.cache.matched_keys(PrefixKey("", prompt))) == whole
+
+
 def test_a_restarts_run_comes_into_host_memory_only_in_the_engines_idle_slices(smollm2: Path, tmp_path: Path) -> None:
     """After a restart's attach from disk, its run is read into host memory by `settle`, the
     engine's idle work, a slice at a time, and by nothing else: a reading thread beside the next

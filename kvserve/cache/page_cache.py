@@ -142,6 +142,7 @@ class PageCache(PrefixCache):
         self.windows_filled = 0  # windows read alone into pages already cached (PARTIAL_ONLY)
         self.tiers = tiers
         self.disk_refused = 0  # pages read from disk that did not fit this context's layout
+        self._last_chain: tuple[str, list[int], list[bytes]] = ("", [], [])  # `_chain`'s: namespace, tokens, keys
         if tiers.disk is not None:
             self.rows.learn_layout(0, max(ctx.model.bos, 0))  # disk pages restore before any donation
             self.rows.reserving = scratch
@@ -194,14 +195,28 @@ class PageCache(PrefixCache):
         disk, rows = self.tiers.disk, self.page_rows
         if disk is None or len(path) >= most:
             return []
-        parent = path[-1].key if path else self.tree.root(key.namespace).key
+        keys = self._chain(key, path)
         found: list[bytes] = []
-        for start in range(len(path) * rows, most * rows, rows):
-            parent = page_key(parent, key.tokens[start : start + rows])
-            if not disk.contains(parent):
+        for i in range(len(path), most):
+            if i == len(keys):
+                parent = keys[-1] if keys else self.tree.root(key.namespace).key
+                keys.append(page_key(parent, key.tokens[i * rows : (i + 1) * rows]))
+            if not disk.contains(keys[i]):
                 break
-            found.append(parent)
+            found.append(keys[i])
         return found
+
+    def _chain(self, key: PrefixKey, path: list[PageNode]) -> list[bytes]:
+        """The keys known of `key`'s first pages (at least `path`'s), for `_disk_run` to extend: kept
+        for the last prompt asked, which admission and the attach each match, up to four times in a
+        step (its 512 keys took 0.55 ms at 8,192 tokens)."""
+        namespace, tokens, keys = self._last_chain
+        if namespace != key.namespace or tokens != key.tokens:
+            tokens, keys = list(key.tokens), []
+            self._last_chain = (key.namespace, tokens, keys)
+        if len(keys) < len(path):
+            keys[:] = [node.key for node in path]
+        return keys
 
     def _disk_outlines(self, keys: list[bytes], first_page: int) -> list[KvPage]:
         """The pages of `keys` as row counts (from their sizes), for `restorable`."""

@@ -57,15 +57,6 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, dtype="<i4").tobytes()).digest()
 
 
-def chain_keys(parent: bytes, tokens: Sequence[int], page_rows: int) -> list[bytes]:
-    """The keys of the whole pages of `tokens` after `parent`, in order."""
-    keys: list[bytes] = []
-    for start in range(0, len(tokens) - page_rows + 1, page_rows):
-        parent = page_key(parent, tokens[start : start + page_rows])
-        keys.append(parent)
-    return keys
-
-
 def row_format(ctx: "Context", page_rows: int) -> RowFormat:
     """The format of the rows `ctx` reads out, cut into pages of `page_rows`."""
     return RowFormat(model=ctx.model.fingerprint, type_k=ctx.params.type_k, type_v=ctx.params.type_v,
