@@ -21,9 +21,9 @@ import xxhash
 
 from conftest import engine, run_traced, served, settings
 from equality import SMOLLM2_TOLERANCE, assert_like_alone
+from kvserve.cache import run_store
 from kvserve.cache.disk_store import DiskStore
 from kvserve.cache.prefix_key import PrefixKey
-from kvserve.cache import run_store
 from kvserve.cache.run_store import KEY_BYTES, MAGIC, SUFFIX, VERSION, RunStore
 from kvserve.cache.tiers import Tiers
 from kvserve.llama.context import Context

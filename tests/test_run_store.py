@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.cache import run_store
 from kvserve.cache.run_store import KEY_BYTES, QUEUE, SUFFIX, TMP_SUFFIX, TRAILER_BYTES, RunStore
 
 
@@ -154,15 +155,21 @@ def test_warm_reads_ahead_the_newest_runs_that_fit_its_budget(tmp_path: Path, mo
         store.close()
 
 
-def test_read_ahead_passes_over_a_run_removed_meanwhile(tmp_path: Path) -> None:
+def test_read_ahead_passes_over_a_run_removed_meanwhile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    read, failed = [], []
+    real = run_store._read_through
+    monkeypatch.setattr(run_store, "_read_through",
+                        lambda fd, n, each: (read.append((os.readlink(f"/proc/self/fd/{fd}"), n)), real(fd, n, each))[1])
+    monkeypatch.setattr(threading, "excepthook", failed.append)
     store = RunStore(tmp_path, 1 << 20)
     try:
-        written(store, [key(1)])
         written(store, [key(2)])
-        file_of(store, key(1)).unlink()
+        written(store, [key(1)])
+        file_of(store, key(1)).unlink()  # the newest, read first
         warming = store.warm(1 << 20)
         warming.join(10)
-        assert not warming.is_alive() and file_of(store, key(2)).is_file()
+        assert not warming.is_alive() and not failed
+        assert read == [(str(file_of(store, key(2))), SIZE)]  # the other one, whole
     finally:
         store.close()
 
