@@ -42,6 +42,7 @@ from kvserve.server.persistence import Persistence
 T = TypeVar("T")
 _log = logging.getLogger("kvserve.models")
 MIB = 1024 * 1024
+SHUTDOWN_FLUSH_S = 30.0  # the most a stopping server waits for queued page writes (the disk store's close waits as long)
 
 
 class Status(str, Enum):
@@ -422,6 +423,9 @@ class ModelSet:
         async with self._lock:
             for model in self.models:
                 await self._close(model)
+            if not await asyncio.to_thread(self.persistence.flush, SHUTDOWN_FLUSH_S):
+                _log.warning("disk tier: writes still queued after %gs; pages past its queue are lost", SHUTDOWN_FLUSH_S)
+            for model in self.models:
                 model.release_kept()
         await asyncio.to_thread(self.persistence.close)
 

@@ -71,6 +71,13 @@ class Persistence:
             scratch = self._mapping.submit(mapped, nbytes)
         return Tiers(disk=self.disk, events=events, tag=model, scratch=scratch, lora_of=adapters_of, runs=self.runs)
 
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the disk tier's queued page writes; whether they are done.
+        A stopping server calls it before its caches let their pages go: a page that leaves host
+        memory with its write still queued counts against the queue's bound from then, and past it
+        is lost (a 16k-token answer of a 1.5B, stopped right after, kept 3,056 of its tokens)."""
+        return self.disk is None or self.disk.flush(timeout)
+
     def close(self) -> None:
         self._mapping.shutdown(wait=False, cancel_futures=True)
         if self.runs is not None:
