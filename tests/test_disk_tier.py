@@ -134,8 +134,8 @@ def test_matching_a_prompt_again_hashes_its_pages_once_and_never_trusts_a_change
         smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Admission and the attach match one prompt up to four times a step: its disk pages' keys are
     hashed once. The keys kept are the prompt's by content, not by the list they came in: a list
-    changed in place, or another prompt of the same length, is hashed anew (a cache by identity
-    fails here)."""
+    changed in place, another prompt of the same length, or the same tokens in another namespace,
+    is hashed anew (a cache by identity, or by tokens alone, fails here)."""
     with disk_engine(smollm2, tmp_path) as e:
         prompt = e.model.tokenize(TEXT, add_special=True)
         run_traced(e, [traced(prompt)])
@@ -152,6 +152,7 @@ def test_matching_a_prompt_again_hashes_its_pages_once_and_never_trusts_a_change
         other = prompt[:16 * (whole - 1)] + [t + 1 for t in prompt[16 * (whole - 1):]]
         assert len(e.cache.matched_keys(PrefixKey("", other))) == whole - 1
         assert len(e.cache.matched_keys(PrefixKey("", prompt))) == whole
+        assert e.cache.matched_keys(PrefixKey("tenant:other", prompt)) == []  # the same tokens, another namespace
 
 
 def test_a_restarts_run_comes_into_host_memory_only_in_the_engines_idle_slices(smollm2: Path, tmp_path: Path) -> None:
