@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -21,10 +22,9 @@ import xxhash
 
 from conftest import engine, run_traced, served, settings
 from equality import SMOLLM2_TOLERANCE, assert_like_alone
-from kvserve.cache import run_store
 from kvserve.cache.disk_store import DiskStore
 from kvserve.cache.prefix_key import PrefixKey
-from kvserve.cache.run_store import KEY_BYTES, MAGIC, SUFFIX, VERSION, RunStore
+from kvserve.cache.run_store import KEY_BYTES, MAGIC, SUFFIX, VERSION, Opened, RunStore
 from kvserve.cache.tiers import Tiers
 from kvserve.llama.context import Context
 from kvserve.scheduler.engine import Engine
@@ -215,19 +215,26 @@ def test_a_loader_that_trusts_the_runs_tokens_fails_the_comparison(smollm2: Path
 def test_a_served_restart_shows_its_runs(smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the server: `/v1/cache` and `/metrics` report the runs; the budget's quarter is theirs."""
     monkeypatch.setattr("kvserve.cache.run_store.MIN_TOKENS", 32)
-    read_ahead, warmed = run_store._read_ahead, []
-    monkeypatch.setattr("kvserve.cache.run_store._read_ahead", lambda paths: (warmed.append(paths), read_ahead(paths)))
+    read_ahead, warmed = RunStore._read_ahead, []
+    monkeypatch.setattr(RunStore, "_read_ahead", lambda self, keys: (warmed.append(keys), read_ahead(self, keys)))
+    verify, checks = Opened.verify, []
+    monkeypatch.setattr(Opened, "verify", lambda self: (checks.append((self.read_right, threading.current_thread())),
+                                                        verify(self))[1])
     body = {"model": "m", "prompt": TEXT, "max_tokens": 2, "temperature": 0}
     with served(smollm2, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (url, app):
         first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
         assert app.state.models.persistence.runs.flush(30)
     with served(smollm2, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (url, app):
+        readers = {t for t in threading.enumerate() if t.name.startswith("kvserve-disk-read")}
         again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
         tiers = httpx.get(f"{url}/v1/cache").json()["tiers"]["disk"]
         metrics = httpx.get(f"{url}/metrics").text
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert warmed == [[], [str(run) for run in (tmp_path / "runs").glob("*" + SUFFIX)]]  # read ahead at the restart
+    assert warmed == [[], [bytes.fromhex(run.stem) for run in (tmp_path / "runs").glob("*" + SUFFIX)]]  # at the restart
+    # read ahead and found right, the run is not read again; its check runs on a thread started
+    # with the cache (one started by the restore held the GIL while llama.cpp's read waited)
+    assert len(checks) == 1 and checks[0][0] and checks[0][1] in readers
     assert tiers["runs"]["hits"] == 1 and tiers["runs"]["runs"] == 1
     assert tiers["runs"]["budget_bytes"] == 16 * MIB and tiers["budget_bytes"] == 48 * MIB
     assert "kvserve_prefix_disk_run_hits_total 1.0" in metrics

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -139,8 +140,8 @@ def test_the_budget_evicts_the_least_recently_used_and_skips_a_run_too_large(tmp
 
 
 def test_warm_reads_ahead_the_newest_runs_that_fit_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    read: list[list[str]] = []
-    monkeypatch.setattr("kvserve.cache.run_store._read_ahead", read.append)
+    read: list[list[bytes]] = []
+    monkeypatch.setattr(RunStore, "_read_ahead", lambda self, keys: read.append(keys))
     store = RunStore(tmp_path, 1 << 20)
     try:
         written(store, [key(1)])
@@ -148,7 +149,7 @@ def test_warm_reads_ahead_the_newest_runs_that_fit_its_budget(tmp_path: Path, mo
         written(store, [key(3)])
         store.restored(key(1))  # newest first: 1, 3, then 2 (too large for what is left), none after
         store.warm(3 * SIZE).join(10)
-        assert read == [[str(file_of(store, key(1))), str(file_of(store, key(3)))]]
+        assert read == [[key(1), key(3)]]
         store.warm(0).join(10)
         assert read[-1] == []
     finally:
@@ -169,7 +170,69 @@ def test_read_ahead_passes_over_a_run_removed_meanwhile(tmp_path: Path, monkeypa
         warming = store.warm(1 << 20)
         warming.join(10)
         assert not warming.is_alive() and not failed
-        assert read == [(str(file_of(store, key(2))), SIZE)]  # the other one, whole
+        assert read == [(str(file_of(store, key(2))), SIZE - 8)]  # the other one, whole but its checksum
+    finally:
+        store.close()
+
+
+def settled(store: RunStore, keys: list[bytes]) -> None:
+    """Runs written, then left unchanged longer than a change time could hide a write."""
+    for k in keys:
+        written(store, [k])
+    time.sleep(run_store.SETTLED_NS / 1e9 + 0.02)
+
+
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes each `_read_through` reads, from now on."""
+    read: list[int] = []
+    real = run_store._read_through
+    monkeypatch.setattr(run_store, "_read_through", lambda fd, n, each: (read.append(n), real(fd, n, each))[1])
+    return read
+
+
+def test_a_run_read_ahead_and_found_right_is_not_read_again_to_be_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        settled(store, [key(1)])
+        store.warm(1 << 20).join(10)
+        read = reads(monkeypatch)
+        with store.open(key(1)) as opened:
+            assert opened.read_right and opened.verify()
+        assert read == []
+    finally:
+        store.close()
+
+
+def test_a_run_changed_after_its_read_ahead_is_verified_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        settled(store, [key(1), key(2)])
+        store.warm(1 << 20).join(10)
+        with open(file_of(store, key(1)), "r+b") as f:  # a flipped byte, in place
+            f.seek(10)
+            f.write(bytes([f.read(1)[0] ^ 1]))
+        replaced = tmp_path / "other"  # another file under the name, the same bytes
+        replaced.write_bytes(file_of(store, key(2)).read_bytes())
+        os.replace(replaced, file_of(store, key(2)))
+        read = reads(monkeypatch)
+        with store.open(key(1)) as opened:
+            assert not opened.read_right and not opened.verify()
+        with store.open(key(2)) as opened:
+            assert not opened.read_right and opened.verify()
+        assert read == [SIZE - 8, SIZE - 8]
+    finally:
+        store.close()
+
+
+def test_a_run_read_ahead_just_after_it_changed_is_verified_when_used(tmp_path: Path) -> None:
+    """A write in the same tick as the file's last change would keep its change time: too recent a
+    file is not taken as read."""
+    store = RunStore(tmp_path, 1 << 20)
+    try:
+        written(store, [key(1)])
+        store.warm(1 << 20).join(10)
+        with store.open(key(1)) as opened:
+            assert not opened.read_right and opened.verify()
     finally:
         store.close()
 

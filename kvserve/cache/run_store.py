@@ -30,10 +30,14 @@ Invariants:
   checksum of the open file (`Opened.path` names the open descriptor, so llama.cpp reads the very
   inode checked, even if a newer run replaces the name), and `refuse` removes a file found wrong
   (counted in `refused`);
+- a checksum read once: where `warm` read a run whole and its checksum was right, the file's identity
+  (device, inode, size, modification and change times) stands for it until either changes; any write
+  to the file, or a new file under its name, changes them. `verify` then reads nothing (a restart's
+  first restore of 8,192 tokens waited 5-8 ms for the check, which competed with llama.cpp's read);
 - a run written for the pages `keys` removes the runs named by their earlier keys: those pages are
   its prefix (a conversation keeps one run, its latest);
 - at start, `warm` reads the newest runs that fit a budget into the page cache, off the engine's
-  thread, reading nothing it then trusts: `open` and `verify` check each run again when it is used;
+  thread, hashing them as it reads; `open` checks each run's trailer again when it is used;
 - the engine never waits on a write: `put` queues at most `QUEUE` runs (a newer one drops the oldest
   waiting, counted), and their bodies are built on the writer thread.
 """
@@ -69,6 +73,9 @@ _SUM = struct.Struct("<Q")
 TRAILER_BYTES = _TRAILER.size + _SUM.size
 KEY_BYTES = 32
 READ_CHUNK = 4 << 20  # what `verify` and `warm` read at once: the pages stay in the CPU's cache for the hash
+# a file's change time moves in the kernel's coarse ticks (10 ms at most): a check begun this long
+# after the file last changed sees any later write as a new change time
+SETTLED_NS = 50_000_000
 
 Body = Iterable["bytes | bytearray | memoryview | np.ndarray"]
 
@@ -111,8 +118,9 @@ class Opened:
     """A run's file, open. `path` names the open descriptor: what llama.cpp reads through it is
     what `verify` checks."""
 
-    def __init__(self, fd: int, checked: int, checksum: int) -> None:
+    def __init__(self, fd: int, checked: int, checksum: int, read_right: bool = False) -> None:
         self._fd, self._checked, self._checksum = fd, checked, checksum
+        self.read_right = read_right  # this very file was read whole and its checksum was right (`warm`)
 
     @property
     def path(self) -> str:
@@ -123,6 +131,8 @@ class Opened:
         Safe on another thread while llama.cpp reads the file. (A mapping cost more than the hash: a
         run just written sits in 4 KiB pages of the page cache, and mapping 224 MB of them took 14-17
         ms, unmapping 6-7 ms more; the engine then waited for the check after the load.)"""
+        if self.read_right:
+            return True
         digest = xxhash.xxh3_64()
         try:
             if not _read_through(self._fd, self._checked, digest.update):
@@ -155,6 +165,7 @@ class RunStore:
         self._work = threading.Condition(self._lock)
         self._runs: dict[bytes, _Run] = {}
         self._holding: dict[bytes, set[bytes]] = {}  # a page's key -> the runs that hold it
+        self._read_right: dict[bytes, tuple[int, ...]] = {}  # a run -> its file's identity, read whole and right
         self._clock = 0
         self._bytes = 0
         self._queue: collections.deque[_Job] = collections.deque()
@@ -215,7 +226,8 @@ class RunStore:
             self._forget(key)
             return None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             keys, layout, checksum = _listed(fd, size)
             if keys != run.keys or layout != run.layout:
                 raise RunFileError("the file lists other pages than its name's")
@@ -223,24 +235,53 @@ class RunStore:
             os.close(fd)
             self.refuse(key, str(exc))
             return None
-        return Opened(fd, size - _SUM.size, checksum)
+        with self._lock:
+            read_right = self._read_right.get(key) == _identity(st)
+        return Opened(fd, size - _SUM.size, checksum, read_right)
 
     def warm(self, budget_bytes: int) -> threading.Thread:
         """Read the most recently used runs that fit in `budget_bytes`, newest first, into the
         kernel's page cache, on a thread of its own, while the model loads: a restarted server's
         first requests then restore from memory, not from the disk (a run of 8,192 tokens of a 1.5B,
         224 MB, loaded in 150-540 ms once evicted from the page cache, against 25-35 ms cached;
-        `posix_fadvise(WILLNEED)` read 8 MB of it). A run removed meanwhile is passed over."""
+        `posix_fadvise(WILLNEED)` read 8 MB of it). Each is hashed as it is read: a run found right
+        is not read again to be verified while its file is unchanged. A run removed meanwhile is
+        passed over."""
         with self._lock:
             newest = sorted(self._runs.values(), key=lambda run: run.last_access, reverse=True)
-        paths, total = [], 0
+        keys, total = [], 0
         for run in newest:
             if total + run.size <= budget_bytes:
-                paths.append(self._path(run.key))
+                keys.append(run.key)
                 total += run.size
-        thread = threading.Thread(target=_read_ahead, args=(paths,), name="kvserve-run-warm", daemon=True)
+        thread = threading.Thread(target=self._read_ahead, args=(keys,), name="kvserve-run-warm", daemon=True)
         thread.start()
         return thread
+
+    def _read_ahead(self, keys: list[bytes]) -> None:
+        """Each run's file read whole, and so in the page cache; the identity of each whose checksum
+        was right, where it had not changed for `SETTLED_NS` when the read began (a write in the same
+        tick as the file's last change would keep its change time)."""
+        _lower_priority()
+        for key in keys:
+            began = time.time_ns()
+            try:
+                fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                before = os.fstat(fd)
+                digest = xxhash.xxh3_64()
+                whole = _read_through(fd, before.st_size - _SUM.size, digest.update)
+                right = whole and _listed(fd, before.st_size)[2] == digest.intdigest()
+                if right and _identity(os.fstat(fd)) == _identity(before) and began - before.st_ctime_ns >= SETTLED_NS:
+                    with self._lock:
+                        if key in self._runs:
+                            self._read_right[key] = _identity(before)
+            except (OSError, RunFileError, ValueError):
+                pass  # `open` and `verify` judge it when it is used
+            finally:
+                os.close(fd)
 
     def restored(self, key: bytes) -> None:
         """The run named `key` restored a prompt: a hit, and it turns most recently used."""
@@ -371,6 +412,7 @@ class RunStore:
     def _drop(self, key: bytes) -> None:
         """Take the run named `key` out of the index (under the lock)."""
         run = self._runs.pop(key, None)
+        self._read_right.pop(key, None)
         if run is None:
             return
         self._bytes -= run.size
@@ -401,20 +443,9 @@ class RunStore:
                             evictions=self._evictions)
 
 
-def _read_ahead(paths: list[str]) -> None:
-    """Each file's bytes read, and so in the page cache."""
-    _lower_priority()
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            _read_through(fd, os.fstat(fd).st_size, lambda _: None)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What any write to a file, or another file under its name, changes."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _read_through(fd: int, nbytes: int, each: Callable[[memoryview], object]) -> bool:
