@@ -3,7 +3,6 @@ and cache views."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from contextlib import asynccontextmanager
 from functools import partial
@@ -107,7 +106,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @api.post("/completions", dependencies=[Depends(accepting)], responses=_GENERATION)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = await engine_for(request, body.model, keep_alive=body.keep_alive, generate=True)
-    prompt = await asyncio.to_thread(prompts.completion_prompt, engine.model, body)
+    prompt = await prompts.completion_tokens(engine.model, body)
     params = prompts.sampling_params(engine.model, body, None)
     job = prompts.build_request(prompt, body, params, body.logprobs, engine, "cmpl", "prompt",
                                 tenant=tenant_of(request), adapters=prompts.adapters_for(engine, body))

@@ -53,7 +53,7 @@ def refusal() -> APIError:
     return APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
 
 
-def require_key(request: Request) -> None:
+async def require_key(request: Request) -> None:
     """A 401 without an accepted key; with one, `request.state.owner` is its id and `.tenant` its tenant."""
     keys: Keys = request.app.state.api_keys
     request.state.tenant = request.state.owner = None

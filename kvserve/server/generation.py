@@ -46,7 +46,7 @@ def rejected(request: Request, error: APIError, engine: Engine | None = None) ->
     return error
 
 
-def accepting(request: Request) -> None:
+async def accepting(request: Request) -> None:
     """A dependency of every generation route: no new work while draining."""
     if request.app.state.draining:
         raise rejected(request, shutting_down())

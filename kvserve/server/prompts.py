@@ -152,8 +152,16 @@ def completion_prompt(model: Model, body: CompletionRequest) -> list[int]:
     return list(body.prompt)
 
 
+async def completion_tokens(model: Model, body: CompletionRequest) -> list[int]:
+    """`completion_prompt`: a text tokenized off the event loop, a token list checked on it (a hop
+    to a thread and back cost more than the check)."""
+    if isinstance(body.prompt, str):
+        return await asyncio.to_thread(completion_prompt, model, body)
+    return completion_prompt(model, body)
+
+
 def check_token_ids(model: Model, tokens: list[int], param: str) -> None:
-    if any(not 0 <= t < model.info.n_vocab for t in tokens):
+    if tokens and (min(tokens) < 0 or max(tokens) >= model.info.n_vocab):
         raise invalid(f"{param}: token ids must be in [0, {model.info.n_vocab})", param)
 
 
@@ -164,7 +172,7 @@ async def prompt_tokens(
     prompts (prefix match, tokenize, render): the same functions as the real request path."""
     if isinstance(body, ChatCompletionRequest):
         return (await asyncio.to_thread(chat_prompt, model, template, body)).tokens
-    return await asyncio.to_thread(completion_prompt, model, body)
+    return await completion_tokens(model, body)
 
 
 def parse_body(body: dict) -> ChatCompletionRequest | CompletionRequest:
