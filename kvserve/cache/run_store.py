@@ -31,8 +31,8 @@ Invariants:
   inode checked, even if a newer run replaces the name), and `refuse` removes a file found wrong
   (counted in `refused`);
 - a checksum read once: where `warm` read a run whole and its checksum was right, the file's identity
-  (device, inode, size, modification and change times) stands for it until either changes; any write
-  to the file, or a new file under its name, changes them. `verify` then reads nothing (a restart's
+  (device, inode, size, modification and change times) stands for it while that is unchanged; any
+  write to the file, or a new file under its name, changes it. `verify` then reads nothing (a restart's
   first restore of 8,192 tokens waited 5-8 ms for the check, which competed with llama.cpp's read);
 - a run written for the pages `keys` removes the runs named by their earlier keys: those pages are
   its prefix (a conversation keeps one run, its latest);
