@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +25,7 @@ from conftest import engine, run_traced, served, settings
 from equality import SMOLLM2_TOLERANCE, assert_like_alone
 from kvserve.cache.disk_store import DiskStore
 from kvserve.cache.prefix_key import PrefixKey
-from kvserve.cache.run_store import KEY_BYTES, MAGIC, SUFFIX, VERSION, Opened, RunStore
+from kvserve.cache.run_store import KEY_BYTES, MAGIC, SETTLED_NS, SUFFIX, VERSION, Opened, RunStore
 from kvserve.cache.tiers import Tiers
 from kvserve.llama.context import Context
 from kvserve.scheduler.engine import Engine
@@ -224,6 +225,7 @@ def test_a_served_restart_shows_its_runs(smollm2: Path, tmp_path: Path, monkeypa
     with served(smollm2, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (url, app):
         first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
         assert app.state.models.persistence.runs.flush(30)
+    time.sleep(SETTLED_NS / 1e9)  # a file changed since is checked when used, not taken as read
     with served(smollm2, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (url, app):
         readers = {t for t in threading.enumerate() if t.name.startswith("kvserve-disk-read")}
         again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
