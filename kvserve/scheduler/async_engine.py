@@ -5,7 +5,8 @@ context, so llama.cpp only ever sees one thread. `llama_decode` releases the GIL
 keeps serving HTTP while a step runs. With no work, the thread does the scheduler's idle work
 (`Scheduler.idle`: a ubatch timing for `--speculative auto`) one short piece at a time, looking for
 requests between pieces; in the engine's first seconds a timing waits until it has served nothing
-for a moment (`Scheduler.idle_delay`).
+for a moment (`Scheduler.idle_delay`). After each step the loop lets the readers take its outputs
+before it starts the next (`_until_taken`): a chunk is sent between decodes, not beside one.
 
 Beside another model's engine, an engine with nothing to do for `THREAD_IDLE_S` lets its thread end
 (the next call starts another). llama.cpp's OpenMP workers belong to the thread that decoded and
