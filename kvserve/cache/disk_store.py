@@ -79,6 +79,7 @@ MAX_TAG_BYTES = 255
 TAG_PARTS = "\x1f"  # in a tag, between its owner's name and what follows it (page_events: the adapters)
 SUFFIX = ".page"
 TMP_SUFFIX = ".page.tmp"
+CLOSE_WAIT_S = 30.0  # the most a close (or a stopping server) waits for the queued writes
 
 _FIXED = struct.Struct("<8sI32s32s32sI")  # magic, version, key, parent, seed, n_tokens
 _TAG_LEN = struct.Struct("<H")
@@ -773,7 +774,7 @@ class DiskStore:
 
     # -- closing and metrics ----------------------------------------------------------------------------
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
         """Finish the queued writes (waiting at most `timeout` seconds; what is left then is abandoned),
         stop the writer and release the folder's lock. If the writer is still inside a write then, it
         releases the lock itself when that ends, so no other server opens the folder under a live writer."""

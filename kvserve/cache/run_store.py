@@ -57,7 +57,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import xxhash
 
-from kvserve.cache.disk_store import fsync_dir, remove_file, set_mtime
+from kvserve.cache.disk_store import CLOSE_WAIT_S, fsync_dir, remove_file, set_mtime
 
 _log = logging.getLogger("kvserve.cache")
 
@@ -131,15 +131,10 @@ class Opened:
         Safe on another thread while llama.cpp reads the file. (A mapping cost more than the hash: a
         run just written sits in 4 KiB pages of the page cache, and mapping 224 MB of them took 14-17
         ms, unmapping 6-7 ms more; the engine then waited for the check after the load.)"""
-        if self.read_right:
-            return True
-        digest = xxhash.xxh3_64()
         try:
-            if not _read_through(self._fd, self._checked, digest.update):
-                return False
+            return self.read_right or _sums_to(self._fd, self._checked, self._checksum)
         except OSError:
             return False
-        return digest.intdigest() == self._checksum
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -271,9 +266,7 @@ class RunStore:
                 continue
             try:
                 before = os.fstat(fd)
-                digest = xxhash.xxh3_64()
-                whole = _read_through(fd, before.st_size - _SUM.size, digest.update)
-                right = whole and _listed(fd, before.st_size)[2] == digest.intdigest()
+                right = _sums_to(fd, before.st_size - _SUM.size, _listed(fd, before.st_size)[2])
                 if right and _identity(os.fstat(fd)) == _identity(before) and began - before.st_ctime_ns >= SETTLED_NS:
                     with self._lock:
                         if key in self._runs:
@@ -426,7 +419,7 @@ class RunStore:
     def _path(self, key: bytes) -> str:
         return str(self.directory / (key.hex() + SUFFIX))
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
         """Write what is queued (up to `timeout`), then stop the writer."""
         self.flush(timeout)
         with self._lock:
@@ -446,6 +439,13 @@ class RunStore:
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     """What any write to a file, or another file under its name, changes."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _sums_to(fd: int, nbytes: int, checksum: int) -> bool:
+    """Whether the file's first `nbytes`, read through `_read_through`, hash to `checksum` (False where
+    the file ends first)."""
+    digest = xxhash.xxh3_64()
+    return _read_through(fd, nbytes, digest.update) and digest.intdigest() == checksum
 
 
 def _read_through(fd: int, nbytes: int, each: Callable[[memoryview], object]) -> bool:

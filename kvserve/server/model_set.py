@@ -31,6 +31,7 @@ from typing import Callable, TypeVar
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvserve.cache.disk_store import CLOSE_WAIT_S
 from kvserve.cache.prefix_cache import PrefixCache
 from kvserve.config import Settings, machine_bytes
 from kvserve.llama.model import peek_kind
@@ -42,7 +43,6 @@ from kvserve.server.persistence import Persistence
 T = TypeVar("T")
 _log = logging.getLogger("kvserve.models")
 MIB = 1024 * 1024
-SHUTDOWN_FLUSH_S = 30.0  # the most a stopping server waits for queued page writes (the disk store's close waits as long)
 
 
 class Status(str, Enum):
@@ -423,8 +423,8 @@ class ModelSet:
         async with self._lock:
             for model in self.models:
                 await self._close(model)
-            if not await asyncio.to_thread(self.persistence.flush, SHUTDOWN_FLUSH_S):
-                _log.warning("disk tier: writes still queued after %gs; pages past its queue are lost", SHUTDOWN_FLUSH_S)
+            if not await asyncio.to_thread(self.persistence.flush, CLOSE_WAIT_S):
+                _log.warning("disk tier: writes still queued after %gs; pages past its queue are lost", CLOSE_WAIT_S)
             for model in self.models:
                 model.release_kept()
         await asyncio.to_thread(self.persistence.close)
