@@ -4,6 +4,8 @@ sequence whose drafted steps were measured slower than its others."""
 
 from __future__ import annotations
 
+import math
+
 from kvserve.cache.page_tree import PageTree
 from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import END, NgramDrafter, PredictionDrafter, RecentDrafter, Sequence, TreeDrafter
@@ -328,10 +330,10 @@ def _measured(follows: bool = False) -> tuple[Speculator, SpecState]:
     return speculator, SpecState(Sequence(list(range(10, 20)), 10, seq=0))
 
 
-def _run_step(speculator: Speculator, state: SpecState, right: bool = False) -> int:
+def _run_step(speculator: Speculator, state: SpecState, right: bool = False, limit: int = 8) -> int:
     """One step as the scheduler runs it, whose draft tokens cost 40% of a step each, measured: the
     draft's length. The output takes the guess (`right`) or another token."""
-    (draft, drafter), = speculator.choose([(state, 8)], n_other=0)
+    (draft, drafter), = speculator.choose([(state, limit)], n_other=0)
     speculator.timed([1 + len(draft)], 0.05 + 0.02 * len(draft), 0, [(state, bool(draft))])
     accepted = len(draft) if right else 0
     if draft:
@@ -375,6 +377,29 @@ def test_a_stopped_sequence_drafts_again_once_its_watched_guesses_come_true() ->
     assert state.payoff.needed is not None
     drafts = [_run_step(speculator, state, right=True) for _ in range(20)]
     assert sum(drafts[:10]) > 0 and sum(drafts[-5:]) >= 5 * 4, drafts  # it drafts, and its drafts pay
+    assert state.payoff.needed is None
+
+
+class _Copy(PredictionDrafter):
+    """A copy of a long answer from where the output is: as many guesses as allowed."""
+
+    def propose(self, sequence: Sequence, k: int) -> list[int]:
+        return [0] * k
+
+
+def test_a_stopped_sequence_drafts_again_while_a_long_watched_copy_still_comes_true() -> None:
+    """Stopped, then the output follows a 60-token guess: the guess counts as soon as it came true
+    by the tokens a draft would have needed, not at its end (the rest of the answer, undrafted)."""
+    speculator, state = _measured()
+    speculator.config = SpecConfig(SpecMode.AUTO, draft_max=64)
+    for _ in range(20):
+        _run_step(speculator, state)
+    needed = state.payoff.needed
+    assert needed is not None
+    speculator.drafters = [_Copy()]
+    drafts = [_run_step(speculator, state, right=True, limit=60) for _ in range(20)]
+    first = next(i for i, n in enumerate(drafts) if n)
+    assert first <= PAYOFF_MIN * math.ceil(needed) + 1, drafts
     assert state.payoff.needed is None
 
 

@@ -447,7 +447,10 @@ class Speculator:
     def _settle_watch(self, state: SpecState) -> None:
         """Learn from a proposal that was watched, not drafted, as the output confirms its tokens
         (each is credited once, so drafting can resume while it still agrees) and once the output
-        departs from it: what the target would have accepted, measured for free."""
+        departs from it: what the target would have accepted, measured for free. While drafting is
+        stopped for the sequence (`Payoff`), a proposal settles as soon as it came true by the tokens
+        a draft would have needed, and the next is watched from there: watched to its end, a copy of
+        the whole answer kept the sequence from drafting to the answer's end."""
         watch = state.watch
         if watch is None:
             return
@@ -458,7 +461,8 @@ class Speculator:
             wrong = ended and n < len(watch.draft)
             self._learn(state, watch.drafter, n - watch.credited, wrong, fade=not watch.credited)
         watch.credited = n
-        if ended:
+        needed = state.payoff.needed
+        if ended or (needed is not None and n >= needed):
             state.watch = None
             state.payoff.settled(n)
 
