@@ -149,7 +149,10 @@ class ModelSettings(BaseModel):
         None, description="a GGUF draft model with the served model's vocabulary, for --speculative draft (auto "
         "does not use one: on CPUs measured so far its decodes cost more than its accepted guesses save)"
     )
-    draft_max: int = Field(16, ge=1, le=64, description="most draft tokens per sequence and step")
+    draft_max: int | None = Field(
+        None, ge=1, le=64, description="most draft tokens per sequence and step (default 64 for auto, which weighs "
+        "each draft's length; 16 for ngram, tree and draft, which draft all they guess)"
+    )
 
     _file_exists = field_validator("model", "chat_template_file", "draft_model")(existing_file)
 

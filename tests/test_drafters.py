@@ -9,8 +9,8 @@ import math
 from kvserve.cache.page_tree import PageTree
 from kvserve.llama.batch import ubatch_sizes
 from kvserve.scheduler.drafters import END, NgramDrafter, PredictionDrafter, RecentDrafter, Sequence, TreeDrafter
-from kvserve.scheduler.speculation import (PAYOFF_MIN, PAYOFF_PROBE, Drop, Evidence, SpecConfig, SpecMode, SpecState,
-                                          Speculator, Watch)
+from kvserve.scheduler.speculation import (DRAFT_MAX_AUTO, PAYOFF_MIN, PAYOFF_PROBE, Drop, Evidence, SpecConfig,
+                                          SpecMode, SpecState, Speculator, Watch)
 from kvserve.scheduler.ubatch_cost import UbatchCost
 
 
@@ -127,6 +127,13 @@ def test_auto_drafts_where_weights_dominate_and_not_where_each_token_costs_its_s
     assert len(cheap[0][0]) >= 2 and cheap[0][1] == "ngram"
     linear = _speculator(a=0.0005, b=0.01).choose(_states(8), n_other=0)
     assert all(draft == [] for draft, _ in linear)  # a step costs per token: no guess pays
+
+
+def test_draft_max_defaults_by_mode_and_a_given_one_holds_for_all() -> None:
+    """`auto` weighs each draft's length, so its cap is long; a fixed drafter's cap is its draft."""
+    assert SpecConfig.of(SpecMode.AUTO, None).draft_max == DRAFT_MAX_AUTO == 64
+    assert {SpecConfig.of(mode, None).draft_max for mode in (SpecMode.NGRAM, SpecMode.TREE, SpecMode.DRAFT)} == {16}
+    assert SpecConfig.of(SpecMode.AUTO, 8).draft_max == SpecConfig.of(SpecMode.NGRAM, 8).draft_max == 8
 
 
 def test_a_fixed_drafter_drafts_all_it_guesses() -> None:

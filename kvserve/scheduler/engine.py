@@ -113,7 +113,7 @@ class Engine:
             pooling=settings.pooling or model_pooling(model),
             batch_tokens=min(settings.embedding_batch, model.info.n_ctx_train or settings.embedding_batch),
             n_threads=settings.threads, queue_timeout=server.queue_timeout))
-        spec = SpecConfig(SpecMode(settings.speculative), settings.draft_max)
+        spec = SpecConfig.of(SpecMode(settings.speculative), settings.draft_max)
         scheduler = Scheduler(pool, cache, config, embedder, spec, lora, draft)
         if spec.mode is not SpecMode.OFF and not scheduler.speculator.enabled:  # auto decides so quietly
             (_log.info if spec.mode is SpecMode.AUTO else _log.warning)(
