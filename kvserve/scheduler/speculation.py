@@ -263,8 +263,8 @@ class SpecState:
 # The most draft tokens per sequence and step where `--draft-max` is not given. A fixed drafter drafts
 # all it guesses, so its cap is its draft's length. `auto` weighs each draft's length, so its cap only
 # bounds a guess it trusts, such as a copy of an earlier answer or of a prediction: a longer one pays
-# more where a ubatch's cost grows less than its tokens (the 1.5B's code edit under a CPU hog, 1 thread:
-# 1.32-1.34x `off` with 64, 1.10-1.24x with 16).
+# more (the 1.5B's code edit under a CPU hog, 1 thread, paired with `off`: 1.20-1.39x by start with 64,
+# 1.04-1.24x with 16; docs/benchmarks.md).
 DRAFT_MAX_AUTO = 64
 DRAFT_MAX_FIXED = 16
 
