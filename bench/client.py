@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvserve.testing import read_metrics
+
 
 _TIMING: httpx.Client | None = None
 
@@ -87,3 +89,11 @@ async def gather_limited(jobs: list, concurrency: int) -> list:
             return await job()
 
     return await asyncio.gather(*(one(job) for job in jobs))
+
+
+def spec_tokens(url: str) -> tuple[int, int]:
+    """The tokens a kvserve has drafted since it started, all drafters, and of those the accepted
+    (`kvserve_spec_draft_tokens_total`, `kvserve_spec_accepted_tokens_total`)."""
+    metrics = read_metrics(url)
+    return (round(metrics.total("kvserve_spec_draft_tokens_total")),
+            round(metrics.total("kvserve_spec_accepted_tokens_total")))

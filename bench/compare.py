@@ -22,12 +22,13 @@ import time
 from pathlib import Path
 
 from bench import llama_server, report, workloads
+from bench.client import spec_tokens
 from bench.servers import Server, Setup, contenders
 from bench.stats import summarize
 from bench.workloads import Workload
 from kvserve.config import embedded_model_path
 from kvserve.llama.model import Model
-from kvserve.testing import ServerProcess, free_port, read_metrics
+from kvserve.testing import ServerProcess, free_port
 
 RESULTS = Path(__file__).parent / "results"
 MAX_TOKENS = 64
@@ -106,27 +107,18 @@ def measure_turn(order: list[Server], workload: Workload, max_tokens: int, extra
         rows = []
         for server, process in up:
             wait_quiet([p.pid for _, p in up])
-            before = drafts(server, process.url)
+            kvserve = server.name.startswith("kvserve")  # llama-server does not say what it drafted
+            before = spec_tokens(process.url) if kvserve else (0, 0)
             run = workloads.run_sync(process.url, workload, max_tokens, extra)
-            after = drafts(server, process.url)
+            after = spec_tokens(process.url) if kvserve else None
+            drafted, accepted = (after[0] - before[0], after[1] - before[1]) if after else (None, None)
             row = {"server": server.name, "workload": workload.name, "turn": turn, **summarize(run.results, run.wall),
-                   "drafted_tokens": after[0] - before[0] if after else None,
-                   "accepted_tokens": after[1] - before[1] if after else None}
+                   "drafted_tokens": drafted, "accepted_tokens": accepted}
             print(f"{workload.name:>13} {server.name:>21} turn {turn}: TTFT p95 {row['ttft_p95']:.2f} s, "
                   f"{row['output_tok_s']:.1f} tok/s, {row['errors']} errors {row['first_error'] or ''}"
-                  + (f" drafted {row['drafted_tokens']}, accepted {row['accepted_tokens']}" if after else ""), flush=True)
+                  + (f" drafted {drafted}, accepted {accepted}" if kvserve else ""), flush=True)
             rows.append(row)
     return rows
-
-
-def drafts(server: Server, url: str) -> tuple[int, int] | None:
-    """kvserve's draft tokens and accepted draft tokens since it started, all drafters; None for a
-    server that does not say (llama-server): a turn's share of its tokens that speculation gave."""
-    if not server.name.startswith("kvserve"):
-        return None
-    metrics = read_metrics(url)
-    return (round(metrics.total("kvserve_spec_draft_tokens_total")),
-            round(metrics.total("kvserve_spec_accepted_tokens_total")))
 
 
 def main(quick: bool = False, servers: list[str] | None = None, only: list[str] | None = None,

@@ -62,8 +62,8 @@ from typing import Iterator
 import httpx
 
 from bench import llama_server
-from bench.client import gather_limited, stream_chat
-from kvserve.testing import ServerProcess, free_port, read_metrics
+from bench.client import gather_limited, spec_tokens, stream_chat
+from kvserve.testing import ServerProcess, free_port
 from kvserve.testing.processes import ServerExited, kvserve_command
 from kvserve.testing.part_models import part_model
 
@@ -309,14 +309,14 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
             for server, process in up:
                 asyncio.run(_warm(process.url, server.kvserve))
             for workload, users in cells:
-                before = [draft_tokens(p.url) if s.kvserve else 0 for s, p in up]
+                before = [spec_tokens(p.url)[0] if s.kvserve else 0 for s, p in up]
                 if len(up) == 1:
                     results = [asyncio.run(measure(up[0][1].url, workload, users))]
                 else:
                     results = asyncio.run(measure_paired([p.url for _, p in up], workload, users))
                 for (server, process), got, was in zip(up, results, before):
                     found[server.name][workload, users].append(got)
-                    drafted[server.name][workload, users].append(draft_tokens(process.url) - was if server.kvserve else 0)
+                    drafted[server.name][workload, users].append(spec_tokens(process.url)[0] - was if server.kvserve else 0)
             for server, process in up:  # what kvserve measured each ubatch size to cost, what it drafted, where its step time went
                 if server.kvserve:
                     info[server.name] = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
@@ -333,11 +333,6 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
         if server.name in info:
             run.add({"server": server.name, "workload": "server_info", "users": 0, "decode_tps": 0.0,
                      "speculative": info[server.name]})
-
-
-def draft_tokens(url: str) -> int:
-    """The tokens a kvserve has drafted since it started, all drafters (`kvserve_spec_draft_tokens_total`)."""
-    return round(read_metrics(url).total("kvserve_spec_draft_tokens_total"))
 
 
 async def _warm(url: str, kvserve: bool = False, timeout: float = 300) -> None:
