@@ -143,7 +143,7 @@ def test_a_fixed_drafter_drafts_all_it_guesses() -> None:
 
 
 def test_nothing_drafts_where_rows_cannot_be_cut() -> None:
-    speculator = Speculator(SpecConfig(SpecMode.AUTO), None, can_cut=False)
+    speculator = Speculator(SpecConfig.of(SpecMode.AUTO), None, can_cut=False)
     assert not speculator.enabled and speculator.drafters == []
 
 

@@ -35,7 +35,7 @@ from kvserve.scheduler.queues import Queues
 from kvserve.scheduler.request import FinishReason, Request, RequestOutput
 from kvserve.scheduler.sampling import NonFiniteLogits, Sampling
 from kvserve.scheduler.snapshot import EngineSnapshot
-from kvserve.scheduler.speculation import SpecConfig, Speculator
+from kvserve.scheduler.speculation import SpecConfig, SpecMode, Speculator
 from kvserve.scheduler.drafters import TreeDrafter
 from kvserve.scheduler.step_output import StepOutputs
 from kvserve.scheduler.ubatch_cost import attended_keys
@@ -80,7 +80,8 @@ class Scheduler:
         self.kv = KvManager(pool, cache, draft)
         self.draft = draft
         tree = getattr(cache, "tree", None)
-        self.speculator = Speculator(spec or SpecConfig(), TreeDrafter(tree) if tree is not None else None,
+        self.speculator = Speculator(spec or SpecConfig.of(SpecMode.OFF),
+                                     TreeDrafter(tree) if tree is not None else None,
                                      self.kv.cuts_rows, draft, pool.ctx.n_ubatch)
         self.ending = Ending(self.kv, self.queues, self.speculator)
         self.admission = Admission(self.kv, self.ending, config, self.queues)

@@ -271,11 +271,11 @@ DRAFT_MAX_FIXED = 16
 
 @dataclass(frozen=True)
 class SpecConfig:
-    mode: SpecMode = SpecMode.OFF
-    draft_max: int = DRAFT_MAX_FIXED  # most draft tokens per sequence and step
+    mode: SpecMode
+    draft_max: int  # most draft tokens per sequence and step (`of`: the mode's default where not given)
 
     @classmethod
-    def of(cls, mode: SpecMode, draft_max: int | None) -> SpecConfig:
+    def of(cls, mode: SpecMode, draft_max: int | None = None) -> SpecConfig:
         """`--speculative` and `--draft-max` (None: the mode's default)."""
         return cls(mode, draft_max or (DRAFT_MAX_AUTO if mode is SpecMode.AUTO else DRAFT_MAX_FIXED))
 
