@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import signal
 import threading
 import time
@@ -27,6 +28,7 @@ from kvserve.cache.tiers import Tiers
 from kvserve.llama.context import Context
 from kvserve.llama.sampler import SamplingParams
 from kvserve.llama.seq_state import SeqState
+from kvserve.scheduler import kv_manager
 from kvserve.scheduler.engine import Engine
 from kvserve.scheduler.request import Request
 from kvserve.testing.processes import ServerProcess
@@ -102,6 +104,29 @@ def test_pages_host_memory_cannot_keep_still_reach_the_disk(smollm2: Path, tmp_p
     alone = _alone(smollm2, prompt)
     out, cached = _after_restart(smollm2, tmp_path, prompt, **small)
     assert cached == min(len(prompt) // 16 * 16, len(prompt) - 1)
+    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
+def test_a_long_prompts_pages_reach_the_disk_while_it_is_evaluated(smollm2: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt evaluated in steps of 64 tokens donates its pages every `DONATE_EVERY` (64 here)
+    tokens, and the disk tier writes them behind: the folder as a crash mid-prefill leaves it attaches
+    them after a restart, equal to scratch. Donated only at the prompt's end, that folder held none."""
+    monkeypatch.setattr(kv_manager, "DONATE_EVERY", 64)
+    live, crashed = tmp_path / "live", tmp_path / "crashed"
+    with disk_engine(smollm2, live, batch_size=64) as e:
+        prompt = e.model.tokenize(TEXT * 2, add_special=True)
+        request = traced(prompt)
+        e.scheduler.submit(request)
+        while not request.state.choices or request.state.choices[0].session.n_past < 192:
+            assert all(output.error is None for output in e.scheduler.step())
+        evaluated = request.state.choices[0].session.n_past
+        assert evaluated < len(prompt) - 64  # still evaluating its prompt
+        assert e.cache.tiers.disk is not None and e.cache.tiers.disk.flush(30)
+        shutil.copytree(live, crashed)
+    alone = _alone(smollm2, prompt)
+    out, cached = _after_restart(smollm2, crashed, prompt)
+    assert cached == evaluated // 16 * 16
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
 
 

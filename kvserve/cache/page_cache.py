@@ -141,6 +141,9 @@ class PageCache(PrefixCache):
         self._promotions: list[_Promotion] = []  # runs to read from disk by `settle`, in order
         self.windows_filled = 0  # windows read alone into pages already cached (PARTIAL_ONLY)
         self.tiers = tiers
+        # with a disk tier, a long prompt's pages go behind to disk while it is evaluated; a sliding
+        # window is kept only at the marks its prefill stops at, so its pages in between attach nothing
+        self.donates_prefill = tiers.disk is not None and not self.rows.n_swa
         self.disk_refused = 0  # pages read from disk that did not fit this context's layout
         self._last_chain: tuple[str, list[int], list[bytes]] = ("", [], [])  # `_chain`'s: namespace, tokens, keys
         if tiers.disk is not None:

@@ -28,6 +28,9 @@ class PrefixCache(ABC):
     keeps: ClassVar[str]  # "pages", "checkpoints" or "none": the `kind` /server_info reports
     # Insert a prompt as soon as it is evaluated, so requests waiting on the same prefix attach it.
     donates_prompt: ClassVar[bool]
+    # Insert a prompt's whole pages while it is still evaluated, too (`KvManager.donate_prefill_progress`):
+    # only where that costs a copy of the new rows and keeps something a restart can attach.
+    donates_prefill: bool = False
 
     def caps(self) -> dict:
         """The limits it keeps to, as /server_info reports them."""

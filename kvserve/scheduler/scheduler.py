@@ -269,6 +269,7 @@ class Scheduler:
             if not slot.draft:  # a draft's rows are kept once verified (`_sample`)
                 self.kv.commit(slot.choice, slot.n_tokens)
                 self.kv.checkpoint_if_at_mark(slot.request, slot.choice)
+                self.kv.donate_prefill_progress(slot.request, slot.choice, slot.n_tokens)
         for slot in slots:
             # a choice ended in this step by a sibling's failure (its request ended) samples nothing
             if slot.logits_index is not None and slot.choice.finish_reason is None:
