@@ -54,7 +54,7 @@ from kvserve.scheduler.request import Choice, Request
 
 
 # A prompt still being evaluated donates its whole pages each time it passes another this many tokens,
-# not only at its end, where the cache takes them then (`PrefixCache.donates_prefill`: with a disk
+# not only at its end, to a cache that takes them (`PrefixCache.donates_prefill`: one with a disk
 # tier, which writes them behind): a crash in a long prefill loses at most the stretch since. A
 # 16,384-token prompt of the 1.5B takes 5-8 minutes on 2 cores, and its 1,024 pages (448 MB), all
 # donated at its end, were still being written 2 s after the answer: a SIGKILL then lost 294 of them.
