@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import Session
-from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_cache import InsertAt, PrefixCache
 from kvserve.cache.prefix_key import PrefixKey
 
 
@@ -23,7 +23,7 @@ class NoCache(PrefixCache):
         return False  # a running prefill leaves nothing here
 
     def insert(self, session: Session, tokens: list[int], preview: str = "",
-               kind: MarkKind = MarkKind.CONVERSATION, ending: bool = False) -> None:
+               kind: MarkKind = MarkKind.CONVERSATION, at: InsertAt = InsertAt.EVALUATED) -> None:
         return None
 
     def unlock(self, session: Session) -> None:

@@ -63,7 +63,7 @@ from kvserve.cache.kv_pool import Session
 from kvserve.cache.page_events import page_tag
 from kvserve.cache.page_key import page_key, row_format
 from kvserve.cache.page_tree import PageNode, PageTree
-from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_cache import InsertAt, PrefixCache
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.context import Context
 from kvserve.cache.tiers import Tiers
@@ -427,26 +427,27 @@ class PageCache(PrefixCache):
     # -- donation -----------------------------------------------------------------------------------
 
     def insert(self, session: Session, tokens: list[int], preview: str = "",
-               kind: MarkKind = MarkKind.CONVERSATION, ending: bool = False) -> Chain | None:
+               kind: MarkKind = MarkKind.CONVERSATION, at: InsertAt = InsertAt.EVALUATED) -> Chain | None:
         """Donate every full page of `tokens`, the session's evaluated history (or a prefix of it),
         under the session's namespace.
 
         Pages already cached are not stored twice: only the rows of the new pages are copied out of
         the stream. The donated pages stay locked while the session lives. Every page goes least
         recently used first, whatever its `kind`. Pages that do not fit the budget are not kept.
-        Where pages after those in host memory are on disk, nothing after them is donated before
-        the session is `ending` (a prompt attached from disk pays no read into host memory before its
-        first token); as it ends, the pages after the run are donated and written to disk, and the
-        run is left to read into host memory while the engine idles (`_promote`, `settle`).
+        Where pages after those in host memory are on disk, the pages after them go to disk only
+        while a long prompt is evaluated (`at` PREFILL) and as the session ends, never as a prompt is
+        just evaluated (a prompt attached from disk pays no copy of its rows before its first token);
+        as it ends, the run is left to read into host memory while the engine idles (`_promote`,
+        `settle`).
         """
         if session.tokens[: len(tokens)] != tuple(tokens):
             raise ValueError("insert takes tokens the session has evaluated, in order")
-        chain = self._donate(session, tokens, preview, ending)
+        chain = self._donate(session, tokens, preview, at)
         if self.rows.n_swa and len(tokens) == session.n_past and len(tokens) % self.page_rows == 0:
             self._keep_window(session, len(tokens))
         return chain
 
-    def _donate(self, session: Session, tokens: list[int], preview: str, ending: bool) -> Chain | None:
+    def _donate(self, session: Session, tokens: list[int], preview: str, at: InsertAt) -> Chain | None:
         n_pages = len(tokens) // self.page_rows
         key = PrefixKey(session.namespace, tokens)
         path = self.tree.match(key, n_pages)
@@ -455,21 +456,22 @@ class PageCache(PrefixCache):
             self.store.touch(node)
         on_disk = [] if self.rows.n_swa else self._disk_run(key, path, n_pages)
         if on_disk:
-            if ending:
+            if at is not InsertAt.EVALUATED:
                 start = len(path) + len(on_disk)
                 tail = self.rows.donate(session.seq, self.page_rows, start, n_pages - start) if start < n_pages else []
                 self._write_unkept(session.namespace, on_disk[-1], tokens, tail)
-                self._promote(preview, key, len(path), on_disk, tail)
+                if at is InsertAt.ENDING:
+                    self._promote(preview, key, len(path), on_disk, tail)
             return None
         if len(path) == n_pages:
-            if ending:
+            if at is InsertAt.ENDING:
                 self._write_run(path, tokens)
             return None
         pages = self.rows.donate(session.seq, self.page_rows, len(path), n_pages - len(path))
         chain, added = self._add_chain(session, key, path, pages, preview)
         last = (path + added)[-1] if path or added else self.tree.root(session.namespace)
         self._write_unkept(session.namespace, last.key, tokens, pages[len(added):])
-        if ending and len(added) == len(pages):
+        if at is InsertAt.ENDING and len(added) == len(pages):
             self._write_run(path + added, tokens)
         return chain if added else None
 

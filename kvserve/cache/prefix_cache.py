@@ -14,6 +14,7 @@ Invariants every cache keeps:
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -22,6 +23,14 @@ from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import Session
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.llama.context import Context
+
+
+class InsertAt(enum.Enum):
+    """When a session inserts, which says what the insert may cost then."""
+
+    EVALUATED = "evaluated"  # a prompt or a mark just evaluated: requests may wait on it, its first token does
+    PREFILL = "prefill"  # a long prompt part way (`donates_prefill`), beside the minutes its prefill takes
+    ENDING = "ending"  # the session's last insert, as it ends: work it can wait for is done here
 
 
 class PrefixCache(ABC):
@@ -66,11 +75,10 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def insert(self, session: Session, tokens: list[int], preview: str = "",
-               kind: MarkKind = MarkKind.CONVERSATION, ending: bool = False) -> object | None:
+               kind: MarkKind = MarkKind.CONVERSATION, at: InsertAt = InsertAt.EVALUATED) -> object | None:
         """Keep what the session evaluated of `tokens` (a prefix of its history) under the session's
-        namespace, locked while it lives; `kind` says who can reuse it; `ending`: the session's last
-        insert, as it ends (work it can wait for is done there). Returns what was kept (a chain of
-        pages, a checkpoint), or None when nothing new was."""
+        namespace, locked while it lives; `kind` says who can reuse it; `at`: when the session inserts.
+        Returns what was kept (a chain of pages, a checkpoint), or None when nothing new was."""
 
     def pending(self) -> bool:
         """Whether work waits for `settle`, which the engine does while it idles."""

@@ -31,7 +31,7 @@ from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.disk_store import DiskEntry
 from kvserve.cache.host_store import HostStore
 from kvserve.cache.kv_pool import Session
-from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_cache import InsertAt, PrefixCache
 from kvserve.cache.page_key import namespace_seed, row_format, state_key
 from kvserve.cache.prefix_key import PrefixKey
 from kvserve.cache.tiers import Tiers
@@ -197,7 +197,7 @@ class StateCache(PrefixCache):
         return mark
 
     def insert(self, session: Session, tokens: list[int], preview: str = "",
-               kind: MarkKind = MarkKind.CONVERSATION, ending: bool = False) -> Checkpoint | None:
+               kind: MarkKind = MarkKind.CONVERSATION, at: InsertAt = InsertAt.EVALUATED) -> Checkpoint | None:
         """Record a checkpoint where the session stands (call it between two evals): `tokens` must be
         its whole history; the checkpoint is of the session's namespace. An opening one is evicted
         after every conversation one."""

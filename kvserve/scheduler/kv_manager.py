@@ -46,7 +46,7 @@ import numpy as np
 from kvserve.cache.cache_stats import CacheStats
 from kvserve.cache.chat_marks import MarkKind
 from kvserve.cache.kv_pool import KvPool, PoolExhausted, Session
-from kvserve.cache.prefix_cache import PrefixCache
+from kvserve.cache.prefix_cache import InsertAt, PrefixCache
 from kvserve.cache.prefix_key import PrefixKey, namespace_kind
 from kvserve.llama.batch import Batch
 from kvserve.scheduler.draft_model import DraftModel
@@ -194,14 +194,15 @@ class KvManager:
 
     def donate_prefill_progress(self, request: Request, choice: Choice, n_evaluated: int) -> None:
         """`choice` evaluated `n_evaluated` more of its prompt: where that passed another
-        `DONATE_EVERY` tokens short of the prompt's end, insert the pages evaluated so far. Each insert
-        reads the stream's state and keeps the new pages' rows: for 16,384 tokens, seven reads of
-        2,048 to 14,336 tokens' rows beside the minutes their prefill takes."""
+        `DONATE_EVERY` tokens short of the prompt's end, insert the pages evaluated so far (after pages
+        attached from disk, to disk only). Each insert reads the stream's state and keeps the new
+        pages' rows: for 16,384 tokens, seven reads of 2,048 to 14,336 tokens' rows beside the
+        minutes their prefill takes."""
         session = choice.session
         n_past = session.n_past
         if (self.cache.donates_prefill and choice.index == 0 and n_past < len(request.prompt)
                 and n_past // DONATE_EVERY > (n_past - n_evaluated) // DONATE_EVERY):
-            self.cache.insert(session, session.tokens, preview=self._preview(request))
+            self.cache.insert(session, session.tokens, preview=self._preview(request), at=InsertAt.PREFILL)
 
     def donate_evaluated_prompt(self, request: Request, choice: Choice) -> None:
         """Insert the prompt the moment `choice` has evaluated it, so requests waiting on this prefix
@@ -289,7 +290,7 @@ class KvManager:
         for choice in [c for c in request.state.choices if c.session is not None]:
             session = choice.session
             if donate and not choice.forked:
-                self.cache.insert(session, session.tokens, preview=self._preview(request), ending=True)
+                self.cache.insert(session, session.tokens, preview=self._preview(request), at=InsertAt.ENDING)
             self._end(session)
             choice.session = None
             choice.forked = False
