@@ -62,7 +62,7 @@ from typing import Iterator
 import httpx
 
 from bench import llama_server
-from bench.client import gather_limited, spec_tokens, stream_chat
+from bench.client import engine_work, gather_limited, spec_tokens, stream_chat
 from kvserve.testing import ServerProcess, free_port
 from kvserve.testing.processes import ServerExited, kvserve_command
 from kvserve.testing.part_models import part_model
@@ -296,6 +296,8 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
     # each cell's results on each server, by run (one start of the servers)
     found: dict[str, dict[tuple[str, int], list[list]]] = {s.name: {c: [] for c in cells} for s in servers}
     drafted: dict[str, dict[tuple[str, int], list[int]]] = {s.name: {c: [] for c in cells} for s in servers}
+    # each cell's engine steps and seconds in `llama_decode` by run: whether a gap is the engine's work
+    work: dict[str, dict[tuple[str, int], list[list]]] = {s.name: {c: [] for c in cells} for s in servers}
     notes: dict[str, dict] = {}
     info: dict[str, dict] = {}
     for order in ([servers] if len(servers) == 1 else [servers, servers[::-1]]):
@@ -309,14 +311,17 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
             for server, process in up:
                 asyncio.run(_warm(process.url, server.kvserve))
             for workload, users in cells:
-                before = [spec_tokens(p.url)[0] if s.kvserve else 0 for s, p in up]
+                before = [(spec_tokens(p.url)[0], *engine_work(p.url)) if s.kvserve else (0, 0, 0.0) for s, p in up]
                 if len(up) == 1:
                     results = [asyncio.run(measure(up[0][1].url, workload, users))]
                 else:
                     results = asyncio.run(measure_paired([p.url for _, p in up], workload, users))
-                for (server, process), got, was in zip(up, results, before):
+                for (server, process), got, (was, steps, seconds) in zip(up, results, before):
                     found[server.name][workload, users].append(got)
                     drafted[server.name][workload, users].append(spec_tokens(process.url)[0] - was if server.kvserve else 0)
+                    if server.kvserve:
+                        now_steps, now_seconds = engine_work(process.url)
+                        work[server.name][workload, users].append([now_steps - steps, round(now_seconds - seconds, 2)])
             for server, process in up:  # what kvserve measured each ubatch size to cost, what it drafted, where its step time went
                 if server.kvserve:
                     info[server.name] = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
@@ -329,7 +334,8 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
         for (workload, users), runs in found[server.name].items():
             run.add({"server": server.name, "workload": workload, "users": users, **notes[server.name],
                      **summary([r for got in runs for r in got]), "runs_tps": [decode_rate(got) for got in runs],
-                     "runs_drafted": drafted[server.name][workload, users]})
+                     "runs_drafted": drafted[server.name][workload, users],
+                     "runs_engine": work[server.name][workload, users]})
         if server.name in info:
             run.add({"server": server.name, "workload": "server_info", "users": 0, "decode_tps": 0.0,
                      "speculative": info[server.name]})
@@ -434,8 +440,9 @@ def targets(rows: list[dict]) -> list[tuple[str, float | None, float]]:
 
 def paired_runs(rows: list[dict]) -> list[str]:
     """A table line per cell that both kvserve off and auto ran, run by run: each one's rate, auto's
-    ratio to off, the spread of those ratios (highest less lowest), and the tokens auto drafted (a
-    run that drafted none served the cell as off does: its ratio is the box's drift)."""
+    ratio to off, the spread of those ratios (highest less lowest), the tokens auto drafted (a run
+    that drafted none served the cell as off does: its ratio is the box's drift), and each one's
+    engine steps and seconds in `llama_decode` (a gap with the same work is not the engine's)."""
     def runs(server: str, workload: str, users: int, what: str = "runs_tps") -> list:
         return next((r.get(what, []) for r in rows
                      if (r["server"], r["workload"], r["users"]) == (server, workload, users) and "ttft" in r), [])
@@ -450,9 +457,12 @@ def paired_runs(rows: list[dict]) -> list[str]:
         ratios = [a / o for o, a in zip(off, auto) if o and a]
         spread = f"{max(ratios) - min(ratios):.2f}x" if len(ratios) > 1 else "-"
         drafted = runs(PAIRED[1], r["workload"], r["users"], "runs_drafted")
+        work = zip(runs(PAIRED[0], r["workload"], r["users"], "runs_engine"),
+                   runs(PAIRED[1], r["workload"], r["users"], "runs_engine"))
+        engine = "; ".join(f"{o[0]}/{a[0]} steps, {o[1]:.1f}/{a[1]:.1f} s" for o, a in work) or "-"
         line = (f"| {r['workload']} | {r['users']} | {', '.join(f'{t:.1f}' for t in off)} "
                 f"| {', '.join(f'{t:.1f}' for t in auto)} | {', '.join(f'{x:.2f}x' for x in ratios) or '-'} "
-                f"| {spread} | {', '.join(map(str, drafted)) or '-'} |")
+                f"| {spread} | {', '.join(map(str, drafted)) or '-'} | {engine} |")
         if len(PAIRED) > 2:  # `--also`: the third server's rates and auto's ratio to it, by run
             third = runs(PAIRED[2], r["workload"], r["users"])
             line += (f" {', '.join(f'{t:.1f}' for t in third) or '-'} "
@@ -479,8 +489,8 @@ def report(rows: list[dict], name: str = "speculative", label: str | None = None
     pairs = paired_runs(rows)
     if pairs:
         head = ("| workload | users | off tok/s by run | auto tok/s by run | auto / off by run | spread "
-                "| auto's drafted tokens by run |")
-        rule = "|---|---|---|---|---|---|---|"
+                "| auto's drafted tokens by run | engine steps and seconds decoding, off / auto, by run |")
+        rule = "|---|---|---|---|---|---|---|---|"
         if len(PAIRED) > 2:
             head, rule = head + f" {PAIRED[2]} tok/s by run | auto / {PAIRED[2]} by run |", rule + "---|---|"
         lines += ["", head, rule, *pairs]

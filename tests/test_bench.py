@@ -365,12 +365,14 @@ def test_speculative_also_pairs_a_third_server_run_by_run(tmp_path: Path, monkey
     monkeypatch.setattr(speculative, "RESULTS", tmp_path)
     monkeypatch.setattr(speculative, "PAIRED", ("kvserve-off", "kvserve-auto", "llama-server-ngram-mod"))
 
-    def row(server: str, runs: list[float]) -> dict:
+    def row(server: str, runs: list[float], engine: list[list] | None = None) -> dict:
         return {"server": server, "workload": "edit", "users": 1, "decode_tps": sum(runs) / len(runs), "ttft": 0.5,
-                "errors": [], "runs_tps": runs, "runs_drafted": [5, 6]}
-    rows = [row("kvserve-off", [20.0, 30.0]), row("kvserve-auto", [40.0, 45.0]), row("llama-server-ngram-mod", [25.0, 30.0])]
+                "errors": [], "runs_tps": runs, "runs_drafted": [5, 6], **({"runs_engine": engine} if engine else {})}
+    rows = [row("kvserve-off", [20.0, 30.0], [[64, 10.0], [66, 9.5]]), row("kvserve-auto", [40.0, 45.0], [[30, 6.25], [31, 6.0]]),
+            row("llama-server-ngram-mod", [25.0, 30.0])]
     text = speculative.report(rows)
-    assert "| edit | 1 | 20.0, 30.0 | 40.0, 45.0 | 2.00x, 1.50x | 0.50x | 5, 6 | 25.0, 30.0 | 1.60x, 1.50x |" in text
+    assert ("| edit | 1 | 20.0, 30.0 | 40.0, 45.0 | 2.00x, 1.50x | 0.50x | 5, 6 "
+            "| 64/30 steps, 10.0/6.2 s; 66/31 steps, 9.5/6.0 s | 25.0, 30.0 | 1.60x, 1.50x |") in text
     named = [speculative.Server(n, (), ()) for n in ("kvserve-off", "kvserve-auto", "kvserve-ngram", "llama-server-ngram-mod")]
     assert [[s.name for s in g] for g in speculative.groups(named)] == [
         ["kvserve-off", "kvserve-auto", "llama-server-ngram-mod"], ["kvserve-ngram"]]
