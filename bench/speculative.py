@@ -29,7 +29,8 @@ kvserve off and auto, whose ratios the targets are, run at once and take turns (
 twice, started in either order (`serve`): 6 requests each at 1 user, 2 rounds each above
 (`--rounds N`: N per start above one user, for a cell that 8 requests cannot settle). A cell's
 rate is the median over its requests; each start of the pair is a run, and the report gives each
-cell's off and auto rates by run, their ratios and the ratios' spread. Each kvserve is warmed up
+cell's off and auto rates by run, their ratios, the ratios' spread and each server's engine steps
+and seconds in `llama_decode`. Each kvserve is warmed up
 until `auto` has timed its step prices (it times them while idle after start). The full run is about
 an hour on 2 cores; `--quick` runs one user only (about 10 minutes), `--cells` picks cells by glob
 over `server/workload/users`; either writes speculative-partial.* instead of the full run's results.
