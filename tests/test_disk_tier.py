@@ -107,46 +107,26 @@ def test_pages_host_memory_cannot_keep_still_reach_the_disk(smollm2: Path, tmp_p
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
 
 
+@pytest.mark.parametrize("attached", [0, 128])
 def test_a_long_prompts_pages_reach_the_disk_while_it_is_evaluated(smollm2: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                   monkeypatch: pytest.MonkeyPatch, attached: int) -> None:
     """A prompt evaluated in steps of 64 tokens donates its pages every `DONATE_EVERY` (64 here)
     tokens, and the disk tier writes them behind: the folder as a crash mid-prefill leaves it attaches
-    them after a restart, equal to scratch. Donated only at the prompt's end, that folder held none."""
+    them after a restart, equal to scratch. So do the pages after the `attached` tokens the prompt
+    found on disk after an earlier restart. Donated only at the request's end, that folder held none
+    of them."""
     monkeypatch.setattr(kv_manager, "DONATE_EVERY", 64)
     live, crashed = tmp_path / "live", tmp_path / "crashed"
+    if attached:
+        with disk_engine(smollm2, live) as e:  # the prompt's first pages reach the disk
+            run_traced(e, [traced(e.model.tokenize(TEXT * 3, add_special=True)[: attached + 1])])
     with disk_engine(smollm2, live, batch_size=64) as e:
-        prompt = e.model.tokenize(TEXT * 2, add_special=True)
-        request = traced(prompt)
-        e.scheduler.submit(request)
-        while not request.state.choices or request.state.choices[0].session.n_past < 192:
-            assert all(output.error is None for output in e.scheduler.step())
-        evaluated = request.state.choices[0].session.n_past
-        assert evaluated < len(prompt) - 64  # still evaluating its prompt
-        assert e.cache.tiers.disk is not None and e.cache.tiers.disk.flush(30)
-        shutil.copytree(live, crashed)
-    alone = _alone(smollm2, prompt)
-    out, cached = _after_restart(smollm2, crashed, prompt)
-    assert cached == evaluated // 16 * 16
-    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
-
-
-def test_pages_after_a_run_attached_from_disk_reach_the_disk_while_the_prompt_is_evaluated(
-        smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After a restart a prompt attaches its first 8 pages from disk; the rest, evaluated in steps of
-    64 tokens, goes to disk after them every `DONATE_EVERY` (64 here) tokens: the folder as a crash
-    in that prefill leaves it attaches both after the next restart, equal to scratch. Written only
-    as the request ended, that folder held the first 8 pages alone."""
-    monkeypatch.setattr(kv_manager, "DONATE_EVERY", 64)
-    live, crashed = tmp_path / "live", tmp_path / "crashed"
-    with disk_engine(smollm2, live) as e:
         prompt = e.model.tokenize(TEXT * 3, add_special=True)
-        run_traced(e, [traced(prompt[:129])])  # its 8 whole pages reach the disk
-    with disk_engine(smollm2, live, batch_size=64) as e:
         request = traced(prompt)
         e.scheduler.submit(request)
-        while not request.state.choices or request.state.choices[0].session.n_past < 128 + 192:
+        while not request.state.choices or request.state.choices[0].session.n_past < attached + 192:
             assert all(output.error is None for output in e.scheduler.step())
-        assert request.state.cached_tokens == 128
+        assert request.state.cached_tokens == attached
         evaluated = request.state.choices[0].session.n_past
         assert evaluated < len(prompt) - 64  # still evaluating its prompt
         assert e.cache.tiers.disk is not None and e.cache.tiers.disk.flush(30)
