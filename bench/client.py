@@ -91,11 +91,13 @@ async def gather_limited(jobs: list, concurrency: int) -> list:
     return await asyncio.gather(*(one(job) for job in jobs))
 
 
-def engine_work(url: str) -> tuple[int, float]:
-    """A kvserve's engine steps since it started and the seconds spent in `llama_decode`
-    (`kvserve_engine_steps_total`, `kvserve_engine_decode_seconds_total`)."""
+def work_done(url: str) -> tuple[int, int, float]:
+    """A kvserve's tokens drafted since it started (all drafters), its engine steps and its seconds in
+    `llama_decode`, from one read of its metrics (`kvserve_spec_draft_tokens_total`,
+    `kvserve_engine_steps_total`, `kvserve_engine_decode_seconds_total`)."""
     metrics = read_metrics(url)
-    return round(metrics.total("kvserve_engine_steps_total")), metrics.total("kvserve_engine_decode_seconds_total")
+    return (round(metrics.total("kvserve_spec_draft_tokens_total")), round(metrics.total("kvserve_engine_steps_total")),
+            metrics.total("kvserve_engine_decode_seconds_total"))
 
 
 def spec_tokens(url: str) -> tuple[int, int]:

@@ -63,7 +63,7 @@ from typing import Iterator
 import httpx
 
 from bench import llama_server
-from bench.client import engine_work, gather_limited, spec_tokens, stream_chat
+from bench.client import gather_limited, stream_chat, work_done
 from kvserve.testing import ServerProcess, free_port
 from kvserve.testing.processes import ServerExited, kvserve_command
 from kvserve.testing.part_models import part_model
@@ -312,17 +312,19 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
             for server, process in up:
                 asyncio.run(_warm(process.url, server.kvserve))
             for workload, users in cells:
-                before = [(spec_tokens(p.url)[0], *engine_work(p.url)) if s.kvserve else (0, 0, 0.0) for s, p in up]
+                before = [work_done(p.url) if s.kvserve else None for s, p in up]
                 if len(up) == 1:
                     results = [asyncio.run(measure(up[0][1].url, workload, users))]
                 else:
                     results = asyncio.run(measure_paired([p.url for _, p in up], workload, users))
-                for (server, process), got, (was, steps, seconds) in zip(up, results, before):
+                for (server, process), got, was in zip(up, results, before):
                     found[server.name][workload, users].append(got)
-                    drafted[server.name][workload, users].append(spec_tokens(process.url)[0] - was if server.kvserve else 0)
-                    if server.kvserve:
-                        now_steps, now_seconds = engine_work(process.url)
-                        work[server.name][workload, users].append([now_steps - steps, round(now_seconds - seconds, 2)])
+                    if was is None:  # llama-server: nothing drafted that kvserve counts
+                        drafted[server.name][workload, users].append(0)
+                        continue
+                    now = work_done(process.url)
+                    drafted[server.name][workload, users].append(now[0] - was[0])
+                    work[server.name][workload, users].append([now[1] - was[1], round(now[2] - was[2], 2)])
             for server, process in up:  # what kvserve measured each ubatch size to cost, what it drafted, where its step time went
                 if server.kvserve:
                     info[server.name] = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
