@@ -106,6 +106,30 @@ def test_a_restart_restores_the_prompt_from_its_run_and_equals_scratch(smollm2: 
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
 
 
+def test_a_run_a_kill_left_unwritten_is_written_once_its_pages_come_into_host_memory(
+        smollm2: Path, tmp_path: Path) -> None:
+    """A kill before the cold request's run was written leaves only page files. The restart attaches
+    the pages, reads them into host memory as it idles, and writes the run then, so the restart
+    after it restores from the run, equal to scratch (a mutation that writes runs only as a session
+    ends reads the pages at every restart, and fails)."""
+    prompt = tokens_of(smollm2, TEXT)[0]
+    serve(smollm2, tmp_path, prompt)
+    for run in run_files(tmp_path):
+        run.unlink()  # what a kill before the run's write leaves
+    with run_engine(smollm2, tmp_path) as e:
+        request = traced(prompt)
+        run_traced(e, [request])
+        assert e.cache.tiers.runs.stats().hits == 0 and e.cache.tiers.disk.stats().hits > 0
+        e.cache.settle(timeout=None)  # the engine's idle work
+        assert e.cache.tiers.runs.flush(30)
+    assert len(run_files(tmp_path)) == 1
+    alone = _alone(smollm2, prompt)
+    out, cached, again = serve(smollm2, tmp_path, prompt)
+    assert (again.cache.tiers.runs.stats().hits, again.cache.tiers.disk.stats().hits) == (1, 0)
+    assert cached == min(len(prompt) // 16 * 16, len(prompt) - 1)
+    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
 def test_a_restart_with_another_stream_count_leaves_the_run_alone(smollm2: Path, tmp_path: Path) -> None:
     """llama.cpp refuses a state of another stream count: a restart under another --parallel finds no
     run of its layout, restores the pages, equal to scratch, and neither refuses nor removes the run."""

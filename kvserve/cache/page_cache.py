@@ -40,7 +40,8 @@ Pages evicted from host memory stay on disk. Each page entering or leaving host 
 (`Tiers.events`); the disk store announces its own.
 
 With runs (`Tiers.runs`, run_store.py; one KV section only), a session that ends with its whole
-chain in host memory, `min_tokens` or longer, has the chain written again as one run; an attach
+chain in host memory, `min_tokens` or longer, has the chain written again as one run, and so does a
+run read from disk into host memory whole (`_store_promoted`); an attach
 from disk whose pages a run holds (one at most `RUN_WASTE` times as long) restores the run instead
 of reading the pages, checked as it loads, and cut after the prompt's pages (`_load_run`). Runs are
 never announced and never lengthen a match: they only restore pages the match found.
@@ -577,14 +578,23 @@ class PageCache(PrefixCache):
 
     def _store_promoted(self, job: _Promotion, pages: list[KvPage]) -> None:
         """Store `pages` (page `job.first` on) under the tree's path before them, those not there yet;
-        nothing if that path is shorter now (its pages left host memory meanwhile)."""
-        path = self.tree.match(job.key, job.first + len(pages))
-        if len(path) < job.first or len(path) == job.first + len(pages):
+        nothing if that path is shorter now (its pages left host memory meanwhile). Where the whole
+        chain is then in host memory, it is written as a run, as a session ending with it would: a
+        kill before the cold request's run was written leaves only page files, and without this every
+        restart after it would read those (16,384 tokens of the 1.5B: 0.42-0.99 s against 0.36 s)."""
+        n_pages = job.first + len(pages)
+        path = self.tree.match(job.key, n_pages)
+        if len(path) < job.first:
             return
         owner = object()  # locks the path while storing evicts, as a session's would
         self._lock(owner, path)
         try:
-            self._add_chain(owner, job.key, path, pages[len(path) - job.first:], job.preview, write=False)
+            if len(path) < n_pages:
+                _, added = self._add_chain(owner, job.key, path, pages[len(path) - job.first:], job.preview,
+                                           write=False)
+                path = path + added
+            if len(path) == n_pages:
+                self._write_run(path, list(job.key.tokens))
         finally:
             self._unlock(owner)
 
