@@ -41,7 +41,7 @@ Pages evicted from host memory stay on disk. Each page entering or leaving host 
 
 With runs (`Tiers.runs`, run_store.py; one KV section only), a session that ends with its whole
 chain in host memory, `min_tokens` or longer, has the chain written again as one run, and so does a
-run read from disk into host memory whole (`_store_promoted`); an attach
+chain read from disk into host memory whole (`_store_promoted`); an attach
 from disk whose pages a run holds (one at most `RUN_WASTE` times as long) restores the run instead
 of reading the pages, checked as it loads, and cut after the prompt's pages (`_load_run`). Runs are
 never announced and never lengthen a match: they only restore pages the match found.
