@@ -91,18 +91,27 @@ async def gather_limited(jobs: list, concurrency: int) -> list:
     return await asyncio.gather(*(one(job) for job in jobs))
 
 
-def work_done(url: str) -> tuple[int, int, float]:
-    """A kvserve's tokens drafted since it started (all drafters), its engine steps and its seconds in
-    `llama_decode`, from one read of its metrics (`kvserve_spec_draft_tokens_total`,
-    `kvserve_engine_steps_total`, `kvserve_engine_decode_seconds_total`)."""
-    metrics = read_metrics(url)
-    return (round(metrics.total("kvserve_spec_draft_tokens_total")), round(metrics.total("kvserve_engine_steps_total")),
-            metrics.total("kvserve_engine_decode_seconds_total"))
+@dataclass(frozen=True)
+class EngineWork:
+    """What a kvserve's metrics count of its work since it started: tokens drafted (all drafters) and
+    of those accepted, engine steps, and seconds in `llama_decode`. `after - before` is a stretch's."""
+
+    drafted: int
+    accepted: int
+    steps: int
+    decode_seconds: float
+
+    def __sub__(self, earlier: EngineWork) -> EngineWork:
+        return EngineWork(self.drafted - earlier.drafted, self.accepted - earlier.accepted,
+                          self.steps - earlier.steps, self.decode_seconds - earlier.decode_seconds)
 
 
-def spec_tokens(url: str) -> tuple[int, int]:
-    """The tokens a kvserve has drafted since it started, all drafters, and of those the accepted
-    (`kvserve_spec_draft_tokens_total`, `kvserve_spec_accepted_tokens_total`)."""
+def engine_work(url: str) -> EngineWork:
+    """A kvserve's `EngineWork` from one read of its metrics (`kvserve_spec_draft_tokens_total`,
+    `kvserve_spec_accepted_tokens_total`, `kvserve_engine_steps_total`,
+    `kvserve_engine_decode_seconds_total`)."""
     metrics = read_metrics(url)
-    return (round(metrics.total("kvserve_spec_draft_tokens_total")),
-            round(metrics.total("kvserve_spec_accepted_tokens_total")))
+    return EngineWork(round(metrics.total("kvserve_spec_draft_tokens_total")),
+                      round(metrics.total("kvserve_spec_accepted_tokens_total")),
+                      round(metrics.total("kvserve_engine_steps_total")),
+                      metrics.total("kvserve_engine_decode_seconds_total"))

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench import llama_server, report, workloads
-from bench.client import spec_tokens
+from bench.client import engine_work
 from bench.servers import Server, Setup, contenders
 from bench.stats import summarize
 from bench.workloads import Workload
@@ -108,10 +108,10 @@ def measure_turn(order: list[Server], workload: Workload, max_tokens: int, extra
         for server, process in up:
             wait_quiet([p.pid for _, p in up])
             kvserve = server.name.startswith("kvserve")  # llama-server does not say what it drafted
-            before = spec_tokens(process.url) if kvserve else (0, 0)
+            before = engine_work(process.url) if kvserve else None
             run = workloads.run_sync(process.url, workload, max_tokens, extra)
-            after = spec_tokens(process.url) if kvserve else None
-            drafted, accepted = (after[0] - before[0], after[1] - before[1]) if after else (None, None)
+            done = engine_work(process.url) - before if before else None
+            drafted, accepted = (done.drafted, done.accepted) if done else (None, None)
             row = {"server": server.name, "workload": workload.name, "turn": turn, **summarize(run.results, run.wall),
                    "drafted_tokens": drafted, "accepted_tokens": accepted}
             print(f"{workload.name:>13} {server.name:>21} turn {turn}: TTFT p95 {row['ttft_p95']:.2f} s, "

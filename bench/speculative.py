@@ -63,7 +63,7 @@ from typing import Iterator
 import httpx
 
 from bench import llama_server
-from bench.client import gather_limited, stream_chat, work_done
+from bench.client import engine_work, gather_limited, stream_chat
 from kvserve.testing import ServerProcess, free_port
 from kvserve.testing.processes import ServerExited, kvserve_command
 from kvserve.testing.part_models import part_model
@@ -312,7 +312,7 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
             for server, process in up:
                 asyncio.run(_warm(process.url, server.kvserve))
             for workload, users in cells:
-                before = [work_done(p.url) if s.kvserve else None for s, p in up]
+                before = [engine_work(p.url) if s.kvserve else None for s, p in up]
                 if len(up) == 1:
                     results = [asyncio.run(measure(up[0][1].url, workload, users))]
                 else:
@@ -322,9 +322,9 @@ def serve(run: Run, servers: list[Server], model: Path, users_levels: tuple[int,
                     if was is None:  # llama-server: nothing drafted that kvserve counts
                         drafted[server.name][workload, users].append(0)
                         continue
-                    now = work_done(process.url)
-                    drafted[server.name][workload, users].append(now[0] - was[0])
-                    work[server.name][workload, users].append([now[1] - was[1], round(now[2] - was[2], 2)])
+                    done = engine_work(process.url) - was
+                    drafted[server.name][workload, users].append(done.drafted)
+                    work[server.name][workload, users].append([done.steps, round(done.decode_seconds, 2)])
             for server, process in up:  # what kvserve measured each ubatch size to cost, what it drafted, where its step time went
                 if server.kvserve:
                     info[server.name] = httpx.get(f"{process.url}/server_info", timeout=60).json().get("speculative", {})
