@@ -101,6 +101,22 @@ def test_chat_stream_equals_whole(client: openai.OpenAI) -> None:
     assert 0 < last.usage.prompt_tokens_details.cached_tokens < last.usage.prompt_tokens
 
 
+def test_chat_stream_with_continuous_usage_counts_every_chunk(client: openai.OpenAI) -> None:
+    """vLLM's `continuous_usage_stats`: every chunk carries the usage so far, which ends at the
+    last chunk's usage; without include_usage it adds nothing."""
+    whole = client.chat.completions.create(model=MODEL, messages=MATH, temperature=0, max_tokens=16)
+    chunks = chat_stream(client, MATH, max_tokens=16,
+                         stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert all(c.usage is not None and c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]  # not the last, usage-only chunk
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == whole.usage.completion_tokens
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    pieces, _ = streamed_text(chunks)
+    assert "".join(pieces) == whole.choices[0].message.content
+    ignored = chat_stream(client, MATH, max_tokens=4, stream_options={"continuous_usage_stats": True})
+    assert all(c.usage is None for c in ignored)
+
+
 def test_chat_stream_without_include_usage_has_no_usage(client: openai.OpenAI) -> None:
     chunks = chat_stream(client, MATH, max_tokens=4)
     assert chunks[-1].choices and chunks[-1].choices[0].finish_reason == "length"

@@ -397,6 +397,7 @@ def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:
     (a busy box times a 16-token ubatch at 16 single ones, and rightly drafts nothing), and the
     tests of its pricing decide that on prices they set."""
     import httpx
+    import openai
 
     from conftest import serve
 
@@ -419,6 +420,15 @@ def test_prediction_over_http_and_what_server_info_says(smollm2) -> None:
         metrics.value("kvserve_spec_dropped_drafts_total", drafter="ngram", reason="measured")  # on the page
         bad = httpx.post(f"{url}/v1/chat/completions", json={**body, "prediction": {"type": "file"}}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        # streamed, a verified draft's tokens arrive in one chunk, and continuous usage says how many
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model="default", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+            prediction={"type": "content", "content": text}, **{**body, "max_tokens": 24}))
+        counts = [c.usage.completion_tokens for c in chunks if c.choices]  # not the last, usage-only chunk
+        assert counts[-1] == chunks[-1].usage.completion_tokens > plain["usage"]["completion_tokens"]
+        assert max(b - a for a, b in zip(counts, counts[1:-1])) > 1  # before the last output's
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith(text)
 
 
 def test_auto_learns_the_step_prices_while_it_serves(smollm2) -> None:

@@ -118,7 +118,8 @@ def _answer(engine: Engine, shape: Shape, streaming: bool, options: StreamOption
     """Chat and text completion bodies: whole, or SSE chunks when `streaming`."""
     formatter = LogprobFormatter(engine.model)
     include_usage = bool(options and options.include_usage)
-    chunks = partial(stream, shape, logprobs=formatter, include_usage=include_usage)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
+    chunks = partial(stream, shape, logprobs=formatter, include_usage=include_usage, continuous_usage=continuous)
     return Answer(partial(collect, shape, logprobs=formatter), chunks if streaming else None, shape.finish_reasons)
 
 

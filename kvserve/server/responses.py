@@ -206,11 +206,14 @@ async def _collect_chat(shape: Shape, outputs: AsyncIterator[RequestOutput], log
 
 
 async def stream(
-    shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs: LogprobFormatter, include_usage: bool
+    shape: Shape, outputs: AsyncIterator[RequestOutput], logprobs: LogprobFormatter, include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
-    """SSE chunks: a role delta first (chat), text deltas as sampled, a finish per choice, usage, [DONE]."""
+    """SSE chunks: a role delta first (chat), text deltas as sampled, a finish per choice, usage, [DONE].
+    With `continuous_usage`, every chunk's usage is the prompt's tokens and the tokens sampled so far."""
     head = {**shape.head(), "object": "chat.completion.chunk" if shape.chat else "text_completion"}
-    extra = {"usage": None} if include_usage else {}
+    extra = {"usage": _running_usage(shape, 0) if continuous_usage else None} if include_usage else {}
+    sampled = 0
     if shape.chat:
         for index in range(shape.request.n):
             delta = {"role": "assistant", "content": ""}
@@ -221,6 +224,10 @@ async def stream(
         if output.error is not None:
             yield sse(engine_error(output.error, output.status, output.code).body)
             break
+        if continuous_usage:  # the last output's usage counts what its deltas do not (an end of generation)
+            sampled = (output.usage.completion_tokens if output.usage
+                       else sampled + sum(len(d.token_ids) for d in output.deltas))
+            extra = {"usage": _running_usage(shape, sampled)}
         for delta in output.deltas:
             if readers:
                 for choice in _chat_chunk_choices(shape, delta, logprobs, readers[delta.index]):
@@ -231,6 +238,11 @@ async def stream(
         if output.usage is not None and include_usage:
             yield sse({**head, "choices": [], "usage": usage_body(output.usage)})
     yield sse("[DONE]")
+
+
+def _running_usage(shape: Shape, sampled: int) -> dict:
+    prompt = len(shape.request.prompt)
+    return {"prompt_tokens": prompt, "completion_tokens": sampled, "total_tokens": prompt + sampled}
 
 
 def _text_chunk_choice(shape: Shape, delta: Delta, logprobs: LogprobFormatter, offsets: list[TextOffsets]) -> dict:

@@ -127,6 +127,9 @@ class Message(Body):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (a chunk may carry several
+    # tokens where a draft was verified)
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(Body):
