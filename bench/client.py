@@ -29,7 +29,11 @@ def timing_client() -> httpx.Client:
 @dataclass
 class Result:
     ttft: float = 0.0
+    # seconds between tokens: a chunk of n tokens that came g after the one before is n gaps of g / n,
+    # as SGLang's bench_serving counts a verified draft's chunk (a server that streams one token a
+    # chunk is unchanged by it); a first chunk's further tokens came with it, 0 s each
     itls: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # seconds between content chunks, whatever each carried
     output_tokens: int = 0  # usage.completion_tokens, else the content chunks (one token each)
     prompt_tokens: int = 0
     cached_tokens: int | None = None  # None: the server does not report it (llama-cpp-python's)
@@ -40,10 +44,11 @@ class Result:
 
 async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int,
                       extra: dict | None = None) -> Result:
-    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    # continuous_usage_stats (vLLM's; others ignore it): each chunk says how many tokens came so far
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **(extra or {})}
     result = Result()
-    chunks, reported_tokens = 0, None
+    chunks, reported_tokens, counted = 0, None, 0
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
@@ -54,8 +59,8 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
+                usage = chunk.get("usage")
+                if usage:
                     reported_tokens = usage["completion_tokens"]
                     result.prompt_tokens = usage["prompt_tokens"]
                     details = usage.get("prompt_tokens_details") or {}
@@ -65,11 +70,16 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
                     if not text:
                         continue
                     now = time.perf_counter()
+                    tokens = reported_tokens - counted if usage else 1  # 0: one output's text split in chunks
+                    counted += tokens
                     if not result.text:
                         result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
+                        result.itls += [0.0] * (tokens - 1)
+                    elif tokens:
+                        result.gaps.append(now - last)
+                        result.itls += [(now - last) / tokens] * tokens
+                    if tokens or not result.text:
+                        last = now
                     result.text += text
                     chunks += 1
     except httpx.HTTPError as exc:

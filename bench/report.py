@@ -28,7 +28,7 @@ class Target:
         return f"{self.workload}: {LABELS[self.metric]} {bound} {self.goal:g}x {self.reference}"
 
 
-LABELS = {"output_tok_s": "output tok/s", "ttft_p95": "TTFT p95", "itl_p95": "ITL p95"}
+LABELS = {"output_tok_s": "output tok/s", "ttft_p95": "TTFT p95", "itl_p95": "ITL p95 (per token)"}
 TARGETS = [
     Target("shared", "output_tok_s", 3.0, True),
     Target("shared", "ttft_p95", 0.2, False),
@@ -77,7 +77,7 @@ def medians(rows: list[dict]) -> list[dict]:
                            if all(isinstance(r.get(k), (int, float)) for r in mine)}} for mine in groups.values()]
 
 
-MEDIAN_KEYS = ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "output_tok_s", "requests_s")
+MEDIAN_KEYS = ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "gap_p95", "output_tok_s", "requests_s")
 
 
 def cached(row: dict) -> str:
@@ -98,10 +98,11 @@ def markdown(result: dict) -> str:
     header = (f"{describe_machine(result['machine'])}; {s['model']}, {s['threads']} threads, "
               f"{s['slots']} slots x {s['ctx_per_request']} context, {s['max_tokens']} output tokens per request{turns}.")
     table = markdown_table(
-        ["workload", "server", "turn", "TTFT p50 s", "TTFT p95 s", "ITL p50 ms", "ITL p95 ms", "output tok/s",
-         "requests/s", "cached prompt tokens", "errors"],
+        ["workload", "server", "turn", "TTFT p50 s", "TTFT p95 s", "ITL p50 ms", "ITL p95 ms", "chunk gap p95 ms",
+         "output tok/s", "requests/s", "cached prompt tokens", "errors"],
         [[r["workload"], r["server"], r.get("turn", 0), r["ttft_p50"], r["ttft_p95"], r["itl_p50"] * 1000,
-          r["itl_p95"] * 1000, r["output_tok_s"], r["requests_s"], cached(r), r["errors"]] for r in result["rows"]])
+          r["itl_p95"] * 1000, r["gap_p95"] * 1000 if "gap_p95" in r else None, r["output_tok_s"], r["requests_s"],
+          cached(r), r["errors"]] for r in result["rows"]])
     goals = markdown_table(["target", "kvserve / reference (median)", "by turn", "met"],
                            [[t["target"], f"{t['ratio']:.2f}x", ", ".join(f"{x:.2f}x" for x in t.get("by_turn", ())),
                              "yes" if t["met"] else "**no**"] for t in result["targets"]])

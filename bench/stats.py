@@ -26,6 +26,7 @@ def summarize(results: list[Result], wall: float) -> dict:
         "ttft_p95": percentile(ttfts, 0.95),
         "itl_p50": percentile(itls, 0.5),
         "itl_p95": percentile(itls, 0.95),
+        "gap_p95": percentile([g for r in ok for g in r.gaps], 0.95),  # between chunks, whatever each carried
         "output_tok_s": sum(r.output_tokens for r in ok) / wall,
         "requests_s": len(ok) / wall,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),

@@ -111,6 +111,16 @@ def test_client_reads_usage_or_counts_chunks() -> None:
     assert (reported.text, reported.output_tokens, reported.prompt_tokens, reported.cached_tokens) == ("ab", 5, 40, 32)
     assert len(reported.itls) == 1
 
+    # continuous usage: a chunk of 3 tokens is 3 gaps of a third of its wait; text split from one
+    # output (no new token) adds none
+    def counted(text: str, n: int) -> dict:
+        return {**delta(text), "usage": {"completion_tokens": n, "prompt_tokens": 40}}
+
+    spread = read(sse(counted("a", 1), counted("bcd", 4), counted("e", 4), counted("f", 5)))
+    assert spread.output_tokens == 5 and len(spread.gaps) == 2
+    assert len(spread.itls) == 4 and spread.itls[0] == spread.itls[1] == spread.itls[2] == spread.gaps[0] / 3
+    assert spread.itls[3] == spread.gaps[1]
+
     # llama-cpp-python's server streams no usage: one chunk is one token, cached tokens unknown
     unreported = read(sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}, delta("a"), delta("b"),
                           delta("c")))
