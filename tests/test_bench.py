@@ -154,7 +154,7 @@ def test_targets_are_ratios_to_llama_server_from_the_same_run() -> None:
     assert got == {"shared: output tok/s ≥ 3x llama-server": (3.0, True),
                    "shared: TTFT p95 ≤ 0.2x llama-server": (0.5, False),
                    "unique: output tok/s ≥ 1x llama-server": (0.9, False),
-                   "unique: ITL p95 ≤ 1x llama-server": (1.0, True)}  # no multiturn/long rows: no targets
+                   "unique: ITL p95 (per token) ≤ 1x llama-server": (1.0, True)}  # no multiturn/long rows: no targets
     rows += [row("kvserve", "conversations", 30.0, 1.0, 90), row("llama-server", "conversations", 15.0, 2.0, 50),
              row("llama-server-defaults", "conversations", 25.0, 2.0, 50)]
     got = {t["target"]: (round(t["ratio"], 3), t["met"]) for t in targets(rows)}
