@@ -38,6 +38,10 @@ class SamplingParams:
         draw then always took the vocabulary's last token."""
         return self.temperature < 1e-5
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repeat_penalty != 1.0)
+
 
 class GrammarError(ValueError):
     """llama.cpp rejected a grammar."""
@@ -97,6 +101,9 @@ class Sampler:
         self._armed = params.grammar is not None and not self._deferred  # the chain's first stage is the grammar
         self.grammar_tokens = 0  # tokens a deferred grammar was given: what its trigger search scanned
         self._buffer: ctypes.Array | None = None  # candidates, once a grammar is sampled with
+        # Greedy and nothing else: the first highest logit, as llama.cpp's greedy stage picks it (and
+        # it remembers nothing), read straight from the row; its candidates buffer cost 3-10x as much.
+        self._argmax = params.greedy and params.grammar is None and not params.logit_bias and not params.penalized
         self._chain = _new_chain()
         try:
             for stage in _stages(model, replace(params, grammar=None) if self._deferred else params):
@@ -109,6 +116,8 @@ class Sampler:
         """Pick the next token from the logits of batch entry `index` and remember it. GrammarDeadEnd
         where a grammar in the chain rejects every token."""
         self._count_grammar_token()
+        if self._argmax:
+            return int(ctx.logits(index).argmax())
         if not self._armed:
             return llama_cpp.llama_sampler_sample(self._chain, ctx.ptr, index)
         # llama_sampler_sample's own steps, with a look at the pick before the grammar is given it
@@ -201,7 +210,7 @@ def _stages(model: Model, p: SamplingParams) -> list[llama_cpp.llama_sampler_p]:
             *(llama_cpp.llama_logit_bias(token, bias) for token, bias in p.logit_bias.items())
         )
         stages.append(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), biases))
-    if p.presence_penalty or p.frequency_penalty or p.repeat_penalty != 1.0:
+    if p.penalized:
         stages.append(
             llama_cpp.llama_sampler_init_penalties(
                 n_vocab,
