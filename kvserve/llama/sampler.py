@@ -122,7 +122,7 @@ class Sampler:
         self._argmax = params.greedy and params.unshaped
         # A temperature and nothing else (what OpenAI's clients send): the softmax and the draw over the
         # whole row at once, where llama.cpp's dist stage takes a scalar expf a token (0.3 ms a draw on a
-        # 49k vocabulary, 1.1 ms on 152k). One draw a token from the request's seed: as reproducible as
+        # 49k vocabulary, 1.0 ms on 152k). One draw a token from the request's seed: as reproducible as
         # the chain's, though not the chain's own draws for that seed.
         self._draw = (random.Random(params.seed) if not params.greedy and params.unshaped and not params.truncated
                       else None)
