@@ -50,14 +50,19 @@ def row_set(ctx: Context, index: int, logits: dict[int, float], floor: float = -
         row[:] = saved
 
 
-def llama_greedy(ctx: Context, index: int) -> int:
-    """llama.cpp's own greedy stage, alone in a chain."""
+def llama_picks(ctx: Context, index: int, stages: list, n: int = 1) -> list[int]:
+    """`n` tokens from llama.cpp's own chain of `stages` on row `index`."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+    for stage in stages:
+        llama_cpp.llama_sampler_chain_add(chain, stage)
     try:
-        return llama_cpp.llama_sampler_sample(chain, ctx.ptr, index)
+        return [llama_cpp.llama_sampler_sample(chain, ctx.ptr, index) for _ in range(n)]
     finally:
         llama_cpp.llama_sampler_free(chain)
+
+
+def llama_greedy(ctx: Context, index: int) -> int:
+    return llama_picks(ctx, index, [llama_cpp.llama_sampler_init_greedy()])[0]
 
 
 def test_greedy_picks_what_llama_cpp_picks_on_real_rows(decoded: Context) -> None:
@@ -108,17 +113,6 @@ DRAWS = 3000
 ROW = {11: 2.0, 12: 1.0, 13: 0.5, 14: 0.0, 15: -1.0}  # the rest of the row far below: never drawn
 
 
-def llama_draws(ctx: Context, index: int, temperature: float, seed: int, n: int) -> list[int]:
-    """`n` tokens from llama.cpp's own chain (temperature, then dist) on row `index`."""
-    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
-    try:
-        return [llama_cpp.llama_sampler_sample(chain, ctx.ptr, index) for _ in range(n)]
-    finally:
-        llama_cpp.llama_sampler_free(chain)
-
-
 def draws(ctx: Context, index: int, params: SamplingParams, n: int) -> list[int]:
     sampler = Sampler(ctx.model, params)
     try:
@@ -133,7 +127,8 @@ def test_temperature_draws_follow_llama_cpps_distribution(decoded: Context, temp
     (a draw that ignored the temperature fails this at 0.7 and 1.6)."""
     with row_set(decoded, 3, ROW):
         ours = Counter(draws(decoded, 3, SamplingParams(temperature=temperature, seed=1), DRAWS))
-        theirs = Counter(llama_draws(decoded, 3, temperature, 2, DRAWS))
+        theirs = Counter(llama_picks(decoded, 3, [llama_cpp.llama_sampler_init_temp(temperature),
+                                                   llama_cpp.llama_sampler_init_dist(2)], DRAWS))
     assert set(ours) <= set(ROW) and set(theirs) <= set(ROW)
     assert chi_square_p(ours, theirs) > 0.001, (ours, theirs)
     weights = np.exp(np.array(list(ROW.values())) / temperature)
