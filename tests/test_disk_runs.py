@@ -28,7 +28,9 @@ from kvserve.cache.prefix_key import PrefixKey
 from kvserve.cache.run_store import KEY_BYTES, MAGIC, SETTLED_NS, SUFFIX, VERSION, Opened, RunStore
 from kvserve.cache.tiers import Tiers
 from kvserve.llama.context import Context
+from kvserve.llama.seq_state import SeqState
 from kvserve.scheduler.engine import Engine
+from kvserve.testing import wait_until
 from test_disk_tier import TEXT, _alone, traced
 
 MIB = 1024 * 1024
@@ -36,12 +38,17 @@ OTHER = TEXT.replace("harbour master", "lighthouse keeper").replace("ship", "sto
 
 
 @contextlib.contextmanager
-def run_engine(model: Path, folder: Path, **overrides) -> Iterator[Engine]:
+def run_engine(model: Path, folder: Path, stage: bool = False, **overrides) -> Iterator[Engine]:
     """An engine whose pages go to a disk store in `folder`, and whose chains of 32 tokens or more to
-    runs in `folder/runs`; closing it writes what is queued."""
+    runs in `folder/runs` (`stage`: the newest read into memory first, as a server's start does);
+    closing it writes what is queued."""
     chosen = settings(model, **overrides)
     disk = DiskStore(folder, 256 * MIB)
     runs = RunStore(folder / "runs", 256 * MIB, min_tokens=32)
+    if stage:
+        time.sleep(SETTLED_NS / 1e9)  # a file changed since is checked when used, not taken as read
+        runs.warm(256 * MIB, 256 * MIB).join()
+        assert runs.staged_bytes > 0
     loaded = Engine.load(chosen.model_settings(), chosen, tiers=Tiers(disk=disk, tag="m", runs=runs))
     try:
         yield loaded
@@ -53,10 +60,10 @@ def run_engine(model: Path, folder: Path, **overrides) -> Iterator[Engine]:
         disk.close()
 
 
-def serve(model: Path, folder: Path, prompt: list[int], **overrides) -> tuple[list, int, Engine]:
+def serve(model: Path, folder: Path, prompt: list[int], stage: bool = False, **overrides) -> tuple[list, int, Engine]:
     """Serve `prompt` on a fresh engine over `folder`: its trace, the tokens it attached, and the engine
     (closed by then: its stores' stats stay readable)."""
-    with run_engine(model, folder, **overrides) as e:
+    with run_engine(model, folder, stage, **overrides) as e:
         request = traced(prompt)
         out = run_traced(e, [request])[request.id]
         return out, request.state.cached_tokens, e
@@ -104,6 +111,41 @@ def test_a_restart_restores_the_prompt_from_its_run_and_equals_scratch(smollm2: 
     assert disk.hits == 0  # no page file was read before the first token: the run restored them all
     assert cached == min(len(prompt) // 16 * 16, len(prompt) - 1)
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
+def test_a_staged_run_restores_the_prompt_from_memory_and_equals_scratch(
+        smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged at start, the run restores the prompt without llama.cpp reading its file, and is spent."""
+    prompt = tokens_of(smollm2, TEXT)[0]
+    serve(smollm2, tmp_path, prompt)
+    alone = _alone(smollm2, prompt)
+    read = Context.load_seq_file
+    files: list[str] = []
+    monkeypatch.setattr(Context, "load_seq_file", lambda self, *args: (files.append(args[1]), read(self, *args))[1])
+    out, cached, again = serve(smollm2, tmp_path, prompt, stage=True)
+    runs = again.cache.tiers.runs
+    assert (runs.stats().hits, runs.stats().refused, again.cache.tiers.disk.stats().hits) == (1, 0, 0)
+    assert files == [] and runs.staged_bytes == 0
+    assert cached == min(len(prompt) // 16 * 16, len(prompt) - 1)
+    assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
+
+
+def test_a_staged_run_gives_way_to_pages_host_memory_cannot_hold_beside_it(smollm2: Path, tmp_path: Path) -> None:
+    """Pages donated past the host budget less the staged run drop the run from memory; its file
+    still restores the prompt."""
+    prompt, other = tokens_of(smollm2, TEXT, OTHER)
+    serve(smollm2, tmp_path, prompt)
+    with run_engine(smollm2, tmp_path, stage=True, prefix_state_mb=16) as e:
+        staged = e.cache.tiers.runs.staged_bytes
+        run_traced(e, [traced(other[: len(other) // 2])])
+        assert e.cache.store.bytes_used + staged <= e.cache.store.budget_bytes  # room for both: kept
+        assert e.cache.tiers.runs.staged_bytes == staged
+        e.cache.store.budget_bytes = e.cache.store.bytes_used + staged  # as if the budget were that
+        run_traced(e, [traced(other)])
+        assert e.cache.tiers.runs.staged_bytes == 0
+        request = traced(prompt)
+        run_traced(e, [request])
+        assert e.cache.tiers.runs.stats().hits == 1 and request.state.cached_tokens > 0
 
 
 def test_a_run_a_kill_left_unwritten_is_written_once_its_pages_come_into_host_memory(
@@ -196,7 +238,7 @@ def donor_and_prompt(smollm2: Path, folder: Path) -> tuple[list[int], Path, Path
     return prompt, donor_run, name
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "forged"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "forged", "forged-staged"])
 def test_a_damaged_run_is_refused_and_the_pages_restore_instead(smollm2: Path, tmp_path: Path, damage: str) -> None:
     prompt, donor_run, run = donor_and_prompt(smollm2, tmp_path)
     if damage == "flip":
@@ -207,8 +249,9 @@ def test_a_damaged_run_is_refused_and_the_pages_restore_instead(smollm2: Path, t
         run.write_bytes(run.read_bytes()[:-100])
     else:
         forge(donor_run, run)  # the donor's rows under this prompt's name and keys
+        run.touch()  # the newest: the one staged
     alone = _alone(smollm2, prompt)
-    out, cached, again = serve(smollm2, tmp_path, prompt)
+    out, cached, again = serve(smollm2, tmp_path, prompt, stage=damage == "forged-staged")
     runs, disk = again.cache.tiers.runs.stats(), again.cache.tiers.disk.stats()
     assert (runs.refused, runs.hits) == (1, 0)  # found at start, or at open: refused, never a hit
     assert not run.exists()
@@ -217,20 +260,23 @@ def test_a_damaged_run_is_refused_and_the_pages_restore_instead(smollm2: Path, t
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
 
 
+@pytest.mark.parametrize("staged", [False, True])
 def test_a_loader_that_trusts_the_runs_tokens_fails_the_comparison(smollm2: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mutation: llama.cpp's tokens replaced by the prompt's, so a forged run's rows attach."""
+                                                                   monkeypatch: pytest.MonkeyPatch, staged: bool) -> None:
+    """The mutation: the run's tokens replaced by the prompt's, so a forged run's rows attach."""
     prompt, donor_run, run = donor_and_prompt(smollm2, tmp_path)
     forge(donor_run, run)
+    run.touch()
     alone = _alone(smollm2, prompt)
-    real = Context.load_seq_file
+    owner, name = (SeqState, "load_run") if staged else (Context, "load_seq_file")
+    real = getattr(owner, name)
 
-    def trusting(self, seq: int, path: str, capacity: int) -> list[int] | None:
-        tokens = real(self, seq, path, capacity)
+    def trusting(self, seq: int, body, capacity: int) -> list[int] | None:
+        tokens = real(self, seq, body, capacity)
         return tokens and (list(prompt) + tokens[len(prompt):])[: len(tokens)]
 
-    monkeypatch.setattr(Context, "load_seq_file", trusting)
-    out, cached, again = serve(smollm2, tmp_path, prompt)
+    monkeypatch.setattr(owner, name, trusting)
+    out, cached, again = serve(smollm2, tmp_path, prompt, stage=staged)
     assert again.cache.tiers.runs.stats().hits == 1 and again.cache.tiers.runs.stats().refused == 0
     assert cached > 0
     with pytest.raises(AssertionError):
@@ -238,8 +284,10 @@ def test_a_loader_that_trusts_the_runs_tokens_fails_the_comparison(smollm2: Path
 
 
 def test_a_served_restart_shows_its_runs(smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the server: `/v1/cache` and `/metrics` report the runs; the budget's quarter is theirs."""
+    """Through the server: `/v1/cache` and `/metrics` report the runs; the budget's quarter is theirs.
+    (Nothing staged here: the restore reads the file; the next test stages.)"""
     monkeypatch.setattr("kvserve.cache.run_store.MIN_TOKENS", 32)
+    monkeypatch.setattr("kvserve.server.persistence.STAGE_SHARE", 1 << 40)
     read_ahead, warmed = RunStore._read_ahead, []
     monkeypatch.setattr(RunStore, "_read_ahead", lambda self, keys: (warmed.append(keys), read_ahead(self, keys)))
     verify, checks = Opened.verify, []
@@ -264,3 +312,26 @@ def test_a_served_restart_shows_its_runs(smollm2: Path, tmp_path: Path, monkeypa
     assert tiers["runs"]["hits"] == 1 and tiers["runs"]["runs"] == 1
     assert tiers["runs"]["budget_bytes"] == 16 * MIB and tiers["budget_bytes"] == 48 * MIB
     assert "kvserve_prefix_disk_run_hits_total 1.0" in metrics
+
+
+def test_a_served_restart_restores_its_newest_run_from_memory(smollm2: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted server stages its newest run while the model loads (a quarter of the host budget):
+    the first prompt restores from memory, answers as before, and llama.cpp reads no file."""
+    monkeypatch.setattr("kvserve.cache.run_store.MIN_TOKENS", 32)
+    read = Context.load_seq_file
+    files: list[str] = []
+    monkeypatch.setattr(Context, "load_seq_file", lambda self, *args: (files.append(args[1]), read(self, *args))[1])
+    body = {"model": "m", "prompt": TEXT, "max_tokens": 2, "temperature": 0}
+    with served(smollm2, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (url, app):
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert app.state.models.persistence.runs.flush(30)
+    time.sleep(SETTLED_NS / 1e9)
+    with served(smollm2, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (url, app):
+        runs = app.state.models.persistence.runs
+        wait_until(lambda: runs.staged_bytes > 0, 30, "the newest run staged")
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert runs.staged_bytes == 0 and runs.stats().hits == 1
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert files == []

@@ -43,8 +43,9 @@ With runs (`Tiers.runs`, run_store.py; one KV section only), a session that ends
 chain in host memory, `min_tokens` or longer, has the chain written again as one run, and so does a
 chain read from disk into host memory whole (`_store_promoted`); an attach
 from disk whose pages a run holds (one at most `RUN_WASTE` times as long) restores the run instead
-of reading the pages, checked as it loads, and cut after the prompt's pages (`_load_run`). Runs are
-never announced and never lengthen a match: they only restore pages the match found.
+of reading the pages, checked as it loads (or from memory, where the run store staged it at start),
+and cut after the prompt's pages (`_load_run`). A staged run gives way to pages when host memory's
+budget cannot hold both. Runs are never announced and never lengthen a match: they only restore pages the match found.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ class PageCache(PrefixCache):
     def _load_run(self, session: Session, key: PrefixKey, keys: list[bytes]) -> bool:
         """Restore the pages of `keys` (all of them, from the first) from a run that holds them, where
         the run store has one no more than twice as long: llama.cpp reads the file into the stream
-        while a reading thread checks its checksum, the tokens it names must be the prompt's, and
+        while a reading thread checks its checksum (or, staged, its body is copied from memory), the tokens it names must be the prompt's, and
         what follows the prompt's pages is cut. Whether it did; a run found wrong leaves the stream
         empty, is removed, and the pages are read instead."""
         found = self._run_for(keys[-1], len(keys)) if keys else None
@@ -301,10 +302,14 @@ class PageCache(PrefixCache):
         if opened is None:
             return False
         whole, matched, seq = n_pages * self.page_rows, len(keys) * self.page_rows, session.seq
+        staged = runs.take_staged(name)  # read and checked at start
         with opened:
-            checked = self._reader.submit(opened.verify)
-            tokens = self.ctx.load_seq_file(seq, opened.path, whole)
-            right = checked.result()
+            if staged is not None:
+                tokens, right = self.rows.load_run(seq, staged, whole), True
+            else:
+                checked = self._reader.submit(opened.verify)
+                tokens = self.ctx.load_seq_file(seq, opened.path, whole)
+                right = checked.result()
         n = self._rows_of(key, len(keys))
         if tokens is None:
             problem = "llama.cpp refused it"
@@ -632,6 +637,9 @@ class PageCache(PrefixCache):
             parent = node
         if self.tiers.events is not None:
             self.tiers.events.stored(added)
+        runs = self.tiers.runs
+        if runs is not None and self.store.bytes_used + runs.staged_bytes > self.store.budget_bytes:
+            runs.drop_staged()  # host memory's budget holds pages first
         return added
 
     def _write_unkept(self, namespace: str, parent: bytes, tokens: list[int], pages: list[KvPage]) -> None:

@@ -38,6 +38,11 @@ Invariants:
   its prefix (a conversation keeps one run, its latest);
 - at start, `warm` reads the newest runs that fit a budget into the page cache, off the engine's
   thread, hashing them as it reads; `open` checks each run's trailer again when it is used;
+- staged: the newest of them, where it is no larger than `warm`'s `stage_bytes`, is read into memory
+  of its own and hashed there; found right, its body is kept (`take_staged`), at most one run, until
+  its first restore takes it, the run leaves the index, or `drop_staged` (the host tier wants the
+  memory). A restore from it is one copy into the cache, not a read and a copy (2,048 tokens of a
+  1.5B: 8 ms against 13 ms for llama.cpp's read of the file, page cache warm);
 - the engine never waits on a write: `put` queues at most `QUEUE` runs (a newer one drops the oldest
   waiting, counted), and their bodies are built on the writer thread.
 """
@@ -161,6 +166,8 @@ class RunStore:
         self._runs: dict[bytes, _Run] = {}
         self._holding: dict[bytes, set[bytes]] = {}  # a page's key -> the runs that hold it
         self._read_right: dict[bytes, tuple[int, ...]] = {}  # a run -> its file's identity, read whole and right
+        self._stage_bytes = 0  # the largest run `warm` keeps in memory
+        self._staged: tuple[bytes, np.ndarray] | None = None  # a run's name and body, read and found right
         self._clock = 0
         self._bytes = 0
         self._queue: collections.deque[_Job] = collections.deque()
@@ -234,16 +241,17 @@ class RunStore:
             read_right = self._read_right.get(key) == _identity(st)
         return Opened(fd, size - _SUM.size, checksum, read_right)
 
-    def warm(self, budget_bytes: int) -> threading.Thread:
+    def warm(self, budget_bytes: int, stage_bytes: int = 0) -> threading.Thread:
         """Read the most recently used runs that fit in `budget_bytes`, newest first, into the
         kernel's page cache, on a thread of its own, while the model loads: a restarted server's
         first requests then restore from memory, not from the disk (a run of 8,192 tokens of a 1.5B,
         224 MB, loaded in 150-540 ms once evicted from the page cache, against 25-35 ms cached;
         `posix_fadvise(WILLNEED)` read 8 MB of it). Each is hashed as it is read: a run found right
         is not read again to be verified while its file is unchanged. A run removed meanwhile is
-        passed over."""
+        passed over. The newest, where it is at most `stage_bytes`, is staged (`take_staged`)."""
         with self._lock:
             newest = sorted(self._runs.values(), key=lambda run: run.last_access, reverse=True)
+            self._stage_bytes = stage_bytes
         keys, total = [], 0
         for run in newest:
             if total + run.size <= budget_bytes:
@@ -258,7 +266,7 @@ class RunStore:
         was right, where it had not changed for `SETTLED_NS` when the read began (a write in the same
         tick as the file's last change would keep its change time)."""
         _lower_priority()
-        for key in keys:
+        for i, key in enumerate(keys):
             began = time.time_ns()
             try:
                 fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
@@ -266,15 +274,40 @@ class RunStore:
                 continue
             try:
                 before = os.fstat(fd)
-                right = _sums_to(fd, before.st_size - _SUM.size, _listed(fd, before.st_size)[2])
+                checked = before.st_size - _SUM.size
+                staged = _read_whole(fd, before.st_size) if i == 0 and before.st_size <= self._stage_bytes else None
+                listed, _, checksum = _listed(fd, before.st_size)
+                if staged is not None:
+                    right = xxhash.xxh3_64_intdigest(staged[:checked]) == checksum
+                else:
+                    right = _sums_to(fd, checked, checksum)
                 if right and _identity(os.fstat(fd)) == _identity(before) and began - before.st_ctime_ns >= SETTLED_NS:
                     with self._lock:
-                        if key in self._runs:
+                        if (run := self._runs.get(key)) is not None:
                             self._read_right[key] = _identity(before)
+                            if staged is not None and listed == run.keys:
+                                self._staged = key, staged[: checked - len(run.keys) * KEY_BYTES - _TRAILER.size]
             except (OSError, RunFileError, ValueError):
                 pass  # `open` and `verify` judge it when it is used
             finally:
                 os.close(fd)
+
+    def take_staged(self, key: bytes) -> np.ndarray | None:
+        """The body of the run named `key` where it is the one staged (it then stops being), else None."""
+        with self._lock:
+            if self._staged is None or self._staged[0] != key:
+                return None
+            body, self._staged = self._staged[1], None
+            return body
+
+    @property
+    def staged_bytes(self) -> int:
+        with self._lock:
+            return self._staged[1].nbytes if self._staged is not None else 0
+
+    def drop_staged(self) -> None:
+        with self._lock:
+            self._staged = None
 
     def restored(self, key: bytes) -> None:
         """The run named `key` restored a prompt: a hit, and it turns most recently used."""
@@ -406,6 +439,8 @@ class RunStore:
         """Take the run named `key` out of the index (under the lock)."""
         run = self._runs.pop(key, None)
         self._read_right.pop(key, None)
+        if self._staged is not None and self._staged[0] == key:
+            self._staged = None
         if run is None:
             return
         self._bytes -= run.size
@@ -446,6 +481,18 @@ def _sums_to(fd: int, nbytes: int, checksum: int) -> bool:
     the file ends first)."""
     digest = xxhash.xxh3_64()
     return _read_through(fd, nbytes, digest.update) and digest.intdigest() == checksum
+
+
+def _read_whole(fd: int, size: int) -> np.ndarray | None:
+    """The file's `size` bytes in memory of their own, or None where it ends first."""
+    out = np.empty(size, np.uint8)
+    view, at = memoryview(out), 0
+    while at < size:
+        n = os.preadv(fd, [view[at : min(size, at + READ_CHUNK)]], at)
+        if n <= 0:
+            return None
+        at += n
+    return out
 
 
 def _read_through(fd: int, nbytes: int, each: Callable[[memoryview], object]) -> bool:

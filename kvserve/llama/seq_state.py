@@ -446,6 +446,27 @@ class SeqState:
         assert end == out.size
         return Restore(self, n, out, slots)
 
+    def load_run(self, seq: int, body: np.ndarray, capacity: int) -> list[int] | None:
+        """What `Context.load_seq_file` does with a run's file, for its body already in memory (`run_file`'s
+        layout): the tokens it names, at most `capacity`, with its state loaded into `seq` in one copy; None
+        where it is not a run of this context's format (`seq` is empty then). `body` is spent: the state's
+        header goes over the last two tokens' bytes."""
+        if not self._header or body.size < 12:
+            return None
+        magic, version, n = (int(x) for x in body[:12].view("<u4"))
+        start = 12 + 4 * n - _HEADER_BYTES
+        if magic != llama_cpp.LLAMA_STATE_SEQ_MAGIC or version != llama_cpp.LLAMA_STATE_SEQ_VERSION \
+                or not 2 <= n <= capacity or body.size <= 12 + 4 * n:
+            return None
+        tokens = body[12 : 12 + 4 * n].view("<i4").tolist()
+        body[start : start + _HEADER_BYTES] = np.frombuffer(self._header, np.uint8)
+        try:
+            self.ctx.write_seq_state(seq, body[start:])
+        except RuntimeError:
+            self.ctx.seq_rm(seq)
+            return None
+        return tokens
+
     def run_layout(self) -> bytes:
         """What `run_file`'s state depends on beyond its pages: the context's stream count, the metadata
         size and every layer's head (V as rows or transposed), as 32 bytes. llama.cpp refuses a file

@@ -32,6 +32,7 @@ from kvserve.server.namespace import adapters_of
 _log = logging.getLogger("kvserve.persistence")
 MIB = 1024 * 1024
 RUN_SHARE = 4  # runs (whole long chains again, run_store.py) take at most a quarter of the disk budget
+STAGE_SHARE = 4  # the newest run, staged in memory at start (run_store.py), is at most a quarter of the host budget
 
 
 @dataclass
@@ -121,7 +122,8 @@ def _open_disk(settings: ServerSettings, publisher) -> "tuple[object | None, obj
     except BaseException:
         disk.close()
         raise
-    runs.warm(int(settings.prefix_state_mb * MIB))  # what the host tier may hold, read ahead while the model loads
+    # what the host tier may hold, read ahead while the model loads; the newest run staged in a quarter of it
+    runs.warm(int(settings.prefix_state_mb * MIB), int(settings.prefix_state_mb * MIB) // STAGE_SHARE)
     stats, run_stats = disk.stats(), runs.stats()
     _log.info("disk tier: %s, %d pages (%.0f MiB) of %.0f MiB, %d runs (%.0f MiB) of %.0f MiB, %d files refused "
               "at start", settings.prefix_disk_dir, stats.pages, stats.bytes / MIB, stats.budget_bytes / MIB,
