@@ -125,7 +125,7 @@ def test_a_staged_run_restores_the_prompt_from_memory_and_equals_scratch(
     out, cached, again = serve(smollm2, tmp_path, prompt, stage=True)
     runs = again.cache.tiers.runs
     assert (runs.stats().hits, runs.stats().refused, again.cache.tiers.disk.stats().hits) == (1, 0, 0)
-    assert files == [] and runs.staged_bytes == 0
+    assert files == [] and runs.staged_bytes == 0 and runs.stats().staged_hits == 1
     assert cached == min(len(prompt) // 16 * 16, len(prompt) - 1)
     assert_like_alone(alone, out, SMOLLM2_TOLERANCE)
 
@@ -330,8 +330,12 @@ def test_a_served_restart_restores_its_newest_run_from_memory(smollm2: Path, tmp
     with served(smollm2, prefix_disk_dir=tmp_path, prefix_disk_mb=64) as (url, app):
         runs = app.state.models.persistence.runs
         wait_until(lambda: runs.staged_bytes > 0, 30, "the newest run staged")
+        assert httpx.get(f"{url}/v1/cache").json()["tiers"]["disk"]["runs"]["staged_bytes"] > 0
         again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
         assert runs.staged_bytes == 0 and runs.stats().hits == 1
+        metrics = httpx.get(f"{url}/metrics").text
+    assert "kvserve_prefix_disk_run_staged_hits_total 1.0" in metrics
+    assert "kvserve_prefix_disk_run_staged_bytes 0.0" in metrics
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert files == []

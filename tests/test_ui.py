@@ -247,7 +247,7 @@ def test_the_cache_view_shows_the_disk_tier(page, tiny, tmp_path: Path) -> None:
         text = page.locator("#disk-text", has_text=re.compile(rf"of 48 MiB \(the pages' share of --prefix-disk-mb\) · {pages} pages"))
         text.wait_for()
         assert re.search(r"0 refused · 0 writes dropped · 0 evicted · "
-                         r"runs \(long prompts in one file\): 0, 0 B of 16 MiB, 0 restored, 0 refused$", text.inner_text())
+                         r"runs \(long prompts in one file\): 0, 0 B of 16 MiB, 0 restored \(0 from memory\), 0 refused$", text.inner_text())
 
 
 def test_the_cache_view_shows_what_each_drafter_drafted_and_gained(page, smollm2: Path) -> None:

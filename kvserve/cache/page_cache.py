@@ -320,7 +320,7 @@ class PageCache(PrefixCache):
         elif n < whole and not self.ctx.seq_rm(seq, n, -1):
             problem = "it could not be cut to the prompt's pages"
         else:
-            runs.restored(name)
+            runs.restored(name, staged is not None)
             return True
         self.ctx.seq_rm(seq)
         runs.refuse(name, problem)

@@ -117,6 +117,8 @@ class RunStats:
     refused: int
     dropped_writes: int
     evictions: int
+    staged_bytes: int  # the run staged in memory at start, until a restore takes it
+    staged_hits: int  # restores from it
 
 
 class Opened:
@@ -174,6 +176,7 @@ class RunStore:
         self._busy = 0
         self._closing = False
         self._hits = self._writes = self._written_bytes = self._refused = self._dropped = self._evictions = 0
+        self._staged_hits = 0
         self._write_seconds = 0.0
         self.directory.mkdir(parents=True, exist_ok=True)
         self._scan()
@@ -309,12 +312,14 @@ class RunStore:
         with self._lock:
             self._staged = None
 
-    def restored(self, key: bytes) -> None:
-        """The run named `key` restored a prompt: a hit, and it turns most recently used."""
+    def restored(self, key: bytes, staged: bool = False) -> None:
+        """The run named `key` restored a prompt (`staged`: from memory): a hit, and it turns most
+        recently used."""
         with self._lock:
             if (run := self._runs.get(key)) is None:
                 return
             self._hits += 1
+            self._staged_hits += staged
             self._clock += 1
             run.last_access = self._clock
         set_mtime(self._path(key))
@@ -468,7 +473,8 @@ class RunStore:
             return RunStats(runs=len(self._runs), bytes=self._bytes, budget_bytes=self.budget_bytes, hits=self._hits,
                             writes=self._writes, written_bytes=self._written_bytes,
                             write_seconds=self._write_seconds, refused=self._refused, dropped_writes=self._dropped,
-                            evictions=self._evictions)
+                            evictions=self._evictions, staged_bytes=self._staged[1].nbytes if self._staged else 0,
+                            staged_hits=self._staged_hits)
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:

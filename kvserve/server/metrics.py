@@ -228,8 +228,12 @@ class _TierCollector(Collector):
             yield GaugeMetricFamily("kvserve_prefix_disk_run_bytes",
                                     "Bytes of run files (long chains of pages again, one file each)", r.bytes)
             yield GaugeMetricFamily("kvserve_prefix_disk_runs", "Run files the disk tier holds", r.runs)
+            yield GaugeMetricFamily("kvserve_prefix_disk_run_staged_bytes",
+                                    "Bytes of the newest run, read into memory at start until a restore takes it",
+                                    r.staged_bytes)
             for name, value, doc in (
                 ("run_hits", r.hits, "Prompts restored from a run file"),
+                ("run_staged_hits", r.staged_hits, "Of those, restored from the run staged in memory at start"),
                 ("run_writes", r.writes, "Run files written"),
                 ("run_refused", r.refused, "Run files found corrupt, truncated or foreign, and removed"),
             ):

@@ -87,7 +87,8 @@ function showDisk(tiers) {
     + `${disk.pages} pages · ${disk.hits} read back, ${disk.writes} written (${rate(disk.written_bytes ?? 0, disk.write_seconds)}) · `
     + `${disk.refused} refused · ${disk.dropped_writes} writes dropped · ${disk.evictions} evicted`
     + (disk.runs ? ` · runs (long prompts in one file): ${disk.runs.runs}, ${formatBytes(disk.runs.bytes)} of `
-      + `${formatBytes(disk.runs.budget_bytes)}, ${disk.runs.hits} restored, ${disk.runs.refused} refused` : "");
+      + `${formatBytes(disk.runs.budget_bytes)}, ${disk.runs.hits} restored (${disk.runs.staged_hits} from memory), `
+      + `${disk.runs.refused} refused` : "");
 }
 
 function showStreams(pool) {
