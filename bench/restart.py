@@ -376,7 +376,8 @@ def further_restart(binary: Path, model: Path, tokens: list[int], folder: Path, 
         turn = llama_restart(binary, model, tokens, folder, RESULTS / "restart-llama-server.restarted.log")
         return {"ttft": turn["ttft"], "restore_s": turn["restore_s"]}
     turn = kvserve_restart(model, tokens, folder, RESULTS / f"restart-kvserve-{chain}.restarted.log")
-    return {"ttft": turn["ttft"], "runs": ((turn["tiers"].get("disk") or {}).get("runs") or {}).get("hits")}
+    runs = (turn["tiers"].get("disk") or {}).get("runs") or {}
+    return {"ttft": turn["ttft"], "runs": runs.get("hits"), "staged": runs.get("staged_hits")}
 
 
 def show_turn(turn: dict) -> str:
