@@ -45,7 +45,8 @@ chain read from disk into host memory whole (`_store_promoted`); an attach
 from disk whose pages a run holds (one at most `RUN_WASTE` times as long) restores the run instead
 of reading the pages, checked as it loads (or from memory, where the run store staged it at start),
 and cut after the prompt's pages (`_load_run`). A staged run gives way to pages when host memory's
-budget cannot hold both. Runs are never announced and never lengthen a match: they only restore pages the match found.
+budget cannot hold both. Runs are never announced and never lengthen a match: they only restore
+pages the match found.
 """
 
 from __future__ import annotations
@@ -290,8 +291,8 @@ class PageCache(PrefixCache):
     def _load_run(self, session: Session, key: PrefixKey, keys: list[bytes]) -> bool:
         """Restore the pages of `keys` (all of them, from the first) from a run that holds them, where
         the run store has one no more than twice as long: llama.cpp reads the file into the stream
-        while a reading thread checks its checksum (or, staged, its body is copied from memory), the tokens it names must be the prompt's, and
-        what follows the prompt's pages is cut. Whether it did; a run found wrong leaves the stream
+        while a reading thread checks its checksum (or, staged, its body is copied from memory), the
+        tokens it names must be the prompt's, and what follows the prompt's pages is cut. Whether it did; a run found wrong leaves the stream
         empty, is removed, and the pages are read instead."""
         found = self._run_for(keys[-1], len(keys)) if keys else None
         if found is None:

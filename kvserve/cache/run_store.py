@@ -288,7 +288,7 @@ class RunStore:
                     with self._lock:
                         if (run := self._runs.get(key)) is not None:
                             self._read_right[key] = _identity(before)
-                            if staged is not None and listed == run.keys:
+                            if staged is not None and listed == run.keys and not self._hits:  # none restored yet
                                 self._staged = key, staged[: checked - len(run.keys) * KEY_BYTES - _TRAILER.size]
             except (OSError, RunFileError, ValueError):
                 pass  # `open` and `verify` judge it when it is used
@@ -320,6 +320,8 @@ class RunStore:
                 return
             self._hits += 1
             self._staged_hits += staged
+            if self._staged is not None and self._staged[0] == key:
+                self._staged = None  # its pages come into host memory now
             self._clock += 1
             run.last_access = self._clock
         set_mtime(self._path(key))
