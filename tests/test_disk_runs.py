@@ -261,8 +261,8 @@ def test_a_damaged_run_is_refused_and_the_pages_restore_instead(smollm2: Path, t
 
 
 @pytest.mark.parametrize("staged", [False, True])
-def test_a_loader_that_trusts_the_runs_tokens_fails_the_comparison(smollm2: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch, staged: bool) -> None:
+def test_a_loader_that_trusts_the_runs_tokens_fails_the_comparison(
+        smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, staged: bool) -> None:
     """The mutation: the run's tokens replaced by the prompt's, so a forged run's rows attach."""
     prompt, donor_run, run = donor_and_prompt(smollm2, tmp_path)
     forge(donor_run, run)
@@ -289,7 +289,8 @@ def test_a_served_restart_shows_its_runs(smollm2: Path, tmp_path: Path, monkeypa
     monkeypatch.setattr("kvserve.cache.run_store.MIN_TOKENS", 32)
     monkeypatch.setattr("kvserve.server.persistence.STAGE_SHARE", 1 << 40)
     read_ahead, warmed = RunStore._read_ahead, []
-    monkeypatch.setattr(RunStore, "_read_ahead", lambda self, keys: (warmed.append(keys), read_ahead(self, keys)))
+    monkeypatch.setattr(RunStore, "_read_ahead",
+                        lambda self, keys, stage=None: (warmed.append(keys), read_ahead(self, keys, stage)))
     verify, checks = Opened.verify, []
     monkeypatch.setattr(Opened, "verify", lambda self: (checks.append((self.read_right, threading.current_thread())),
                                                         verify(self))[1])

@@ -141,7 +141,7 @@ def test_the_budget_evicts_the_least_recently_used_and_skips_a_run_too_large(tmp
 
 def test_warm_reads_ahead_the_newest_runs_that_fit_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     read: list[list[bytes]] = []
-    monkeypatch.setattr(RunStore, "_read_ahead", lambda self, keys: read.append(keys))
+    monkeypatch.setattr(RunStore, "_read_ahead", lambda self, keys, stage=None: read.append(keys))
     store = RunStore(tmp_path, 1 << 20)
     try:
         written(store, [key(1)])

@@ -292,8 +292,8 @@ class PageCache(PrefixCache):
         """Restore the pages of `keys` (all of them, from the first) from a run that holds them, where
         the run store has one no more than twice as long: llama.cpp reads the file into the stream
         while a reading thread checks its checksum (or, staged, its body is copied from memory), the
-        tokens it names must be the prompt's, and what follows the prompt's pages is cut. Whether it did; a run found wrong leaves the stream
-        empty, is removed, and the pages are read instead."""
+        tokens it names must be the prompt's, and what follows the prompt's pages is cut. Whether it
+        did; a run found wrong leaves the stream empty, is removed, and the pages are read instead."""
         found = self._run_for(keys[-1], len(keys)) if keys else None
         if found is None:
             return False

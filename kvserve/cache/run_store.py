@@ -168,7 +168,6 @@ class RunStore:
         self._runs: dict[bytes, _Run] = {}
         self._holding: dict[bytes, set[bytes]] = {}  # a page's key -> the runs that hold it
         self._read_right: dict[bytes, tuple[int, ...]] = {}  # a run -> its file's identity, read whole and right
-        self._stage_bytes = 0  # the largest run `warm` keeps in memory
         self._staged: tuple[bytes, np.ndarray] | None = None  # a run's name and body, read and found right
         self._clock = 0
         self._bytes = 0
@@ -254,22 +253,23 @@ class RunStore:
         passed over. The newest, where it is at most `stage_bytes`, is staged (`take_staged`)."""
         with self._lock:
             newest = sorted(self._runs.values(), key=lambda run: run.last_access, reverse=True)
-            self._stage_bytes = stage_bytes
         keys, total = [], 0
         for run in newest:
             if total + run.size <= budget_bytes:
                 keys.append(run.key)
                 total += run.size
-        thread = threading.Thread(target=self._read_ahead, args=(keys,), name="kvserve-run-warm", daemon=True)
+        stage = newest[0].key if newest and newest[0].size <= min(stage_bytes, budget_bytes) else None
+        thread = threading.Thread(target=self._read_ahead, args=(keys, stage), name="kvserve-run-warm", daemon=True)
         thread.start()
         return thread
 
-    def _read_ahead(self, keys: list[bytes]) -> None:
-        """Each run's file read whole, and so in the page cache; the identity of each whose checksum
-        was right, where it had not changed for `SETTLED_NS` when the read began (a write in the same
-        tick as the file's last change would keep its change time)."""
+    def _read_ahead(self, keys: list[bytes], stage: bytes | None = None) -> None:
+        """Each run's file read whole, and so in the page cache (the run named `stage` into memory of
+        its own); the identity of each whose checksum was right, where it had not changed for
+        `SETTLED_NS` when the read began (a write in the same tick as the file's last change would keep
+        its change time)."""
         _lower_priority()
-        for i, key in enumerate(keys):
+        for key in keys:
             began = time.time_ns()
             try:
                 fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
@@ -278,7 +278,7 @@ class RunStore:
             try:
                 before = os.fstat(fd)
                 checked = before.st_size - _SUM.size
-                staged = _read_whole(fd, before.st_size) if i == 0 and before.st_size <= self._stage_bytes else None
+                staged = _read_whole(fd, before.st_size) if key == stage else None
                 listed, _, checksum = _listed(fd, before.st_size)
                 if staged is not None:
                     right = xxhash.xxh3_64_intdigest(staged[:checked]) == checksum
@@ -306,7 +306,10 @@ class RunStore:
     @property
     def staged_bytes(self) -> int:
         with self._lock:
-            return self._staged[1].nbytes if self._staged is not None else 0
+            return self._staged_nbytes()
+
+    def _staged_nbytes(self) -> int:
+        return self._staged[1].nbytes if self._staged is not None else 0
 
     def drop_staged(self) -> None:
         with self._lock:
@@ -475,7 +478,7 @@ class RunStore:
             return RunStats(runs=len(self._runs), bytes=self._bytes, budget_bytes=self.budget_bytes, hits=self._hits,
                             writes=self._writes, written_bytes=self._written_bytes,
                             write_seconds=self._write_seconds, refused=self._refused, dropped_writes=self._dropped,
-                            evictions=self._evictions, staged_bytes=self._staged[1].nbytes if self._staged else 0,
+                            evictions=self._evictions, staged_bytes=self._staged_nbytes(),
                             staged_hits=self._staged_hits)
 
 
